@@ -1,0 +1,20 @@
+"""flowlock: exactly on-policy RL for flow-matching diffusion transformers.
+
+Deterministic, batch-invariant kernels and the strict MiniMax-H3 path. Importing flowlock has no
+side effects: modes are entered explicitly with :func:`mode` / :func:`set_mode`.
+"""
+
+from flowlock.dispatch import use_backend
+from flowlock.modes import Fallback, ModeHandle, StrictModeError, current_mode, mode, set_mode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Fallback",
+    "ModeHandle",
+    "StrictModeError",
+    "current_mode",
+    "mode",
+    "set_mode",
+    "use_backend",
+]

@@ -1,0 +1,58 @@
+"""Frozen Triton launch configurations: the only place tile sizes, warps and stages live.
+
+Configs are keyed by ``(op, dtype, arch)`` and, for GEMMs, by the weight shape ``(N, K)``; never by
+the token count, and nothing is autotuned at run time, so an output element's accumulation order
+is the same in every batch, process and run on a given architecture. ``arch`` is ``"sm90"`` style
+or ``"any"``; ``"interp"`` (the CPU interpreter) resolves to the ``"any"`` entries.
+
+Each entry carries a note saying how and where it was chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowlock.ops._triton_utils import dtype_key
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes (``blocks``, name -> int), ``num_warps`` and ``num_stages`` of one kernel."""
+
+    blocks: tuple[tuple[str, int], ...]
+    num_warps: int
+    num_stages: int = 1
+    note: str = ""
+
+    def __getitem__(self, name: str) -> int:
+        for key, value in self.blocks:
+            if key == name:
+                return value
+        raise KeyError(name)
+
+
+def _cfg(num_warps: int, num_stages: int = 1, note: str = "", **blocks: int) -> LaunchConfig:
+    return LaunchConfig(tuple(sorted(blocks.items())), num_warps, num_stages, note)
+
+
+_CONFIGS: dict[tuple[str, str, str, tuple[int, ...]], LaunchConfig] = {}
+
+
+def register(op: str, dtype: str, arch: str, config: LaunchConfig, shape: tuple[int, ...] = ()) -> None:
+    """Add one frozen entry (called at import of this module only)."""
+    key = (op, dtype, arch, shape)
+    if key in _CONFIGS:
+        raise ValueError(f"duplicate launch config {key}")
+    _CONFIGS[key] = config
+
+
+def launch_config(op: str, dtype: torch.dtype, arch: str, shape: tuple[int, ...] = ()) -> LaunchConfig:
+    """Look up the frozen config; exact ``(arch, shape)`` first, then ``"any"`` arch, then no shape."""
+    d = dtype_key(dtype)
+    arch = "any" if arch == "interp" else arch
+    for key in ((op, d, arch, shape), (op, d, "any", shape), (op, d, arch, ()), (op, d, "any", ())):
+        if key in _CONFIGS:
+            return _CONFIGS[key]
+    raise KeyError(f"no launch config for op={op} dtype={d} arch={arch} shape={shape}")

@@ -1,0 +1,1 @@
+"""Strict model paths built from flowlock ops."""

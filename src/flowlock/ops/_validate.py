@@ -1,0 +1,69 @@
+"""Input validation shared by every op's public API.
+
+Every check runs before any kernel launch and raises ``TypeError`` (wrong type or dtype) or
+``ValueError`` (shape, device, range) naming the offending argument, so a bad call never leaves an
+output half-written. Range checks on index tensors read two scalars back to the host; model code
+that validated its indices once per forward passes ``check_indices=False`` to the ops it calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check type, dtype, rank, shape (``None`` entries are free) and device of one argument."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.ndim != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
+            want = tuple("*" if e is None else e for e in shape)
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    return t
+
+
+def check_index(name: str, idx: object, *, length: int | None, upper: int, device: torch.device,
+                check_range: bool = True) -> torch.Tensor:
+    """Check a 1-D integer index tensor on ``device`` whose values lie in ``[0, upper)``.
+
+    Values are never clamped: an out-of-range entry is a ``ValueError``.
+    """
+    check_tensor(name, idx, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    if length is not None and idx.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries, got {idx.shape[0]}")
+    if check_range and idx.numel() > 0:
+        lo, hi = torch.aminmax(idx)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= upper:
+            raise ValueError(f"{name} values must lie in [0, {upper}), got min {lo} max {hi}")
+    return idx
+
+
+def check_finite_range(name: str, t: torch.Tensor, lo: float, hi: float) -> None:
+    """Every value of ``t`` must be finite and in ``[lo, hi]`` (a host readback)."""
+    if t.numel() == 0:
+        return
+    bad = ~torch.isfinite(t) | (t < lo) | (t > hi)
+    if bool(bad.any()):
+        first = t[bad].flatten()[0].item()
+        raise ValueError(f"{name} values must lie in [{lo}, {hi}], found {first}")
