@@ -1,0 +1,90 @@
+"""The harnesses themselves: each must catch a planted failure, or its green means nothing."""
+
+import pytest
+import torch
+
+from flowlock.config import LaunchConfig, launch_config, register
+from flowlock.testing import (
+    assert_batch_invariant,
+    assert_bitwise_equal,
+    assert_repeatable,
+    assert_within_budget,
+    batch_invariance_failures,
+    bitwise_equal,
+    golden_budget,
+    repeat_failures,
+)
+
+
+def row_sums(x):
+    return x.sum(dim=-1, keepdim=True)
+
+
+def batch_dependent_row_sums(x):
+    # Planted defect: the reduction is split at a point that depends on the batch size.
+    split = 1 + x.shape[0] % 5
+    return (x[:, :split].sum(-1) + x[:, split:].sum(-1)).unsqueeze(-1)
+
+
+def test_invariance_harness_passes_a_row_pure_function():
+    pool = torch.randn(16, 37, dtype=torch.float32)
+    assert_batch_invariant(row_sums, pool)
+
+
+def test_invariance_harness_catches_batch_dependent_split():
+    pool = torch.randn(16, 37, dtype=torch.float32) * 1e3
+    failures = batch_invariance_failures(batch_dependent_row_sums, pool)
+    assert failures, "the harness missed a batch-dependent reduction order"
+    with pytest.raises(AssertionError, match="not batch-invariant"):
+        assert_batch_invariant(batch_dependent_row_sums, pool)
+
+
+def test_repeat_harness_catches_shuffled_fold_order():
+    values = torch.randn(4096, dtype=torch.float32) * 1e4
+    gen = torch.Generator().manual_seed(0)
+
+    def shuffled_sum():
+        order = torch.randperm(values.numel(), generator=gen)
+        acc = torch.zeros((), dtype=torch.float32)
+        for chunk in values[order].split(64):
+            acc = acc + chunk.sum()
+        return acc
+
+    assert repeat_failures(shuffled_sum, runs=5)
+    assert_repeatable(lambda: values.sum(), runs=5)
+
+
+def test_bitwise_equal_distinguishes_signed_zero_and_matches_nan():
+    assert not bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert bitwise_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    with pytest.raises(AssertionError, match="1 of 2 elements differ"):
+        assert_bitwise_equal(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0]), "pair")
+
+
+def test_budget_is_derived_from_baseline_error():
+    golden = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    baseline = golden.to(torch.bfloat16).double()
+    budget = golden_budget(golden, torch.bfloat16, baseline)
+    assert budget > 0
+    assert_within_budget(golden.float(), golden, out_dtype=torch.bfloat16, baseline=baseline)
+    with pytest.raises(AssertionError, match="exceeds budget"):
+        assert_within_budget(golden.float() + 0.1, golden, out_dtype=torch.bfloat16, baseline=baseline)
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_within_budget(torch.full_like(golden, float("nan")), golden, out_dtype=torch.bfloat16)
+
+
+def test_launch_config_lookup_order_and_duplicates():
+    cfg = LaunchConfig((("BLOCK", 64),), num_warps=4, note="test")
+    register("_test_op", "fp32", "any", cfg)
+    assert launch_config("_test_op", torch.float32, "interp") is cfg
+    assert launch_config("_test_op", torch.float32, "sm90", shape=(5, 7)) is cfg
+    assert cfg["BLOCK"] == 64
+    with pytest.raises(ValueError, match="duplicate"):
+        register("_test_op", "fp32", "any", cfg)
+    with pytest.raises(KeyError, match="no launch config"):
+        launch_config("_test_op", torch.bfloat16, "sm90")
+
+
+def test_empty_allocations_are_poisoned():
+    assert torch.isnan(torch.empty(4)).all()
+    assert (torch.empty(3, dtype=torch.int32) == torch.iinfo(torch.int32).min).all()
