@@ -11,7 +11,7 @@ from flowlock.dispatch import interpreter_active
 TORCH_TO_TL_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_arch(index: int = 0) -> str:
     """``"sm90"`` style architecture key of a CUDA device, ``"interp"`` under the interpreter."""
     if interpreter_active() or not torch.cuda.is_available():
