@@ -1,0 +1,22 @@
+"""PyTorch spec of segment_sum: an fp64 one-hot matmul rounded once to fp32."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _one_hot(index: torch.Tensor, num_segments: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(index.long(), num_segments).to(torch.float64)
+
+
+def segment_sum_reference(values: torch.Tensor, index: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """``(R, N)`` fp32: each segment's sum in fp64, rounded once (differentiable in ``values``).
+
+    More accurate than the Triton path (which rounds every fp32 addition), so not bitwise equal to it.
+    """
+    return (_one_hot(index, num_segments).t() @ values.to(torch.float64)).to(torch.float32)
+
+
+def segment_sum_golden(values: torch.Tensor, index: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """``(R, N)`` fp64 exact-as-fp64 segment sums, the accuracy yardstick."""
+    return _one_hot(index, num_segments).t() @ values.to(torch.float64)

@@ -1,0 +1,101 @@
+"""Triton segment_sum: per-tile partial sums, then an ascending fold over the tiles.
+
+Layout contract shared with consumers that write partials themselves: rows are cut into tiles of
+:func:`tile_rows` (64) consecutive rows; tile ``t`` writes ``partials[t, r, :]``, the sum of its rows
+whose segment is ``r`` (zero when it has none), for every ``r``; the fold adds ``partials[0]``,
+``partials[1]``, ... in that order in fp32. Neither step depends on anything but the row count, so the
+result is repeatable, and never uses atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flowlock.config import launch_config
+from flowlock.ops._fp_bits import to_f32
+from flowlock.ops._triton_utils import arch_of
+
+
+@triton.jit
+def _segment_sum_partials_kernel(
+    values_ptr, other_ptr, index_ptr, partials_ptr,
+    M, N, R, period, stride_values, stride_other,
+    HAS_OTHER: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    rows = tile.to(tl.int64) * TILE_ROWS + tl.arange(0, TILE_ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    segment = tl.load(index_ptr + rows % period, mask=row_mask, other=-1)
+    v = to_f32(tl.load(values_ptr + rows[:, None] * stride_values + cols[None, :], mask=mask, other=0.0))
+    if HAS_OTHER:
+        # Products of bf16/fp16 factors are exact in fp32, so only the sums round.
+        v = v * to_f32(tl.load(other_ptr + rows[:, None] * stride_other + cols[None, :], mask=mask, other=0.0))
+    out = partials_ptr + tile.to(tl.int64) * R * N + cols
+    for r in range(R):
+        # A fixed tl.sum tree over the tile's rows; rows of other segments contribute exact zeros.
+        part = tl.sum(tl.where(segment[:, None] == r, v, 0.0), axis=0)
+        tl.store(out + r * N, part, mask=col_mask)
+
+
+@triton.jit
+def _segment_sum_fold_kernel(partials_ptr, out_ptr, num_tiles, RN, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < RN
+    acc = tl.load(partials_ptr + offs, mask=mask, other=0.0)
+    for t in range(1, num_tiles):
+        acc += tl.load(partials_ptr + t * RN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc, mask=mask)
+
+
+def tile_rows(dtype: torch.dtype, arch: str) -> int:
+    """Rows per partial tile (the layout contract): 64 for every dtype and architecture."""
+    return launch_config("segment_sum_partials", dtype, arch)["TILE_ROWS"]
+
+
+def segment_sum_partials(values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
+                         other: torch.Tensor | None = None, period: int | None = None) -> torch.Tensor:
+    """Per-tile segment sums ``(num_tiles, R, N)`` fp32 of ``values`` (times ``other`` if given).
+
+    ``values`` and ``other``: ``(M, N)`` with unit column stride, same dtype. Row ``m`` belongs to
+    segment ``index[m % period]`` (``period`` defaults to ``M``; pass ``S`` for ``(B*S, N)`` rows
+    sharing one ``(S,)`` index). Trusted: inputs are not validated.
+    """
+    m, n = values.shape
+    period = m if period is None else period
+    cfg = launch_config("segment_sum_partials", values.dtype, arch_of(values))
+    tiles = max(triton.cdiv(m, cfg["TILE_ROWS"]), 1)
+    partials = torch.empty((tiles, num_segments, n), dtype=torch.float32, device=values.device)
+    if n == 0 or num_segments == 0:
+        return partials
+    o = values if other is None else other
+    grid = (tiles, triton.cdiv(n, cfg["BLOCK_N"]))
+    _segment_sum_partials_kernel[grid](
+        values, o, index, partials, m, n, num_segments, max(period, 1), values.stride(0), o.stride(0),
+        HAS_OTHER=other is not None, TILE_ROWS=cfg["TILE_ROWS"], BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return partials
+
+
+def segment_sum_fold(partials: torch.Tensor) -> torch.Tensor:
+    """Fold ``(num_tiles, R, N)`` fp32 partials in ascending tile order into ``(R, N)`` fp32."""
+    tiles, r, n = partials.shape
+    out = torch.empty((r, n), dtype=torch.float32, device=partials.device)
+    if out.numel() == 0:
+        return out
+    cfg = launch_config("segment_sum_fold", torch.float32, arch_of(partials))
+    _segment_sum_fold_kernel[(triton.cdiv(r * n, cfg["BLOCK"]),)](
+        partials, out, tiles, r * n, BLOCK=cfg["BLOCK"], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def segment_sum_fwd(values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
+                    other: torch.Tensor | None = None, period: int | None = None) -> torch.Tensor:
+    """``(R, N)`` fp32 segment sums: :func:`segment_sum_partials` then :func:`segment_sum_fold`."""
+    return segment_sum_fold(segment_sum_partials(values, index, num_segments, other=other, period=period))
