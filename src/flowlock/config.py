@@ -70,3 +70,22 @@ for _dt in ("fp32", "bf16", "fp16"):
     register("gate_residual", _dt, "sm90", _cfg(4, BLOCK_H=1024, note="elementwise, memory-bound"))
 register("segment_sum_fold", "fp32", "any", _cfg(4, BLOCK=256, note="sequential fold over tiles"))
 register("segment_sum_fold", "fp32", "sm90", _cfg(4, BLOCK=1024, note="sequential fold over tiles"))
+
+# timestep, euler, swiglu, qk_norm_rope: sizes by design (memory-bound elementwise / GEMV), not yet timed on an H200.
+for _dt in ("fp32", "bf16", "fp16"):
+    register("euler_step", _dt, "any", _cfg(4, BLOCK=256, note="interpreter-sized"))
+    register("euler_step", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
+register("timestep_sinusoid", "fp32", "any", _cfg(4, note="one timestep row of 256 channels per program"))
+register("timestep_mlp", "fp32", "any", _cfg(4, BLOCK_M=8, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
+register("timestep_mlp", "fp32", "sm90", _cfg(4, BLOCK_M=8, BLOCK_N=8, BLOCK_K=128,
+                                              note="8 T rows per weight pass; 336 programs for the 2688x5376 layer"))
+register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
+register("timestep_mlp_wgrad", "fp32", "sm90", _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))
+register("swiglu", "bf16", "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
+register("swiglu", "bf16", "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
+register("qk_norm_rope_fwd", "bf16", "any", _cfg(4, note="one (token, head) row per program"))
+register("qk_norm_rope_bwd", "bf16", "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
+
+# rows (gather_rows / scatter_rows): pure copies; BLOCK_H by design (bandwidth-bound), not yet timed on an H200.
+for _dt in ("fp32", "bf16", "fp16"):
+    register("rows", _dt, "any", _cfg(4, BLOCK_H=1024, note="one 1024-channel slice of one row per program"))

@@ -1,0 +1,62 @@
+"""Public ``euler_step``: validation, then dispatch to Triton or the PyTorch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from flowlock.dispatch import backend_for
+from flowlock.ops._validate import FLOAT_DTYPES, check_finite_range, check_tensor
+from flowlock.ops.euler.reference import euler_step_reference
+from flowlock.ops.euler.triton import EulerStepFunction
+
+
+def _per_sample_scalar(name: str, v: object, batch: int, device: torch.device) -> torch.Tensor:
+    check_tensor(name, v, dtypes=(torch.float32,), device=device)
+    if v.ndim == 0:
+        return v.reshape(1).expand(batch).contiguous()
+    if v.ndim != 1 or v.shape[0] != batch:
+        raise ValueError(f"{name} must be a 0-d tensor or have shape ({batch},) matching sample's dim 0, "
+                         f"got {tuple(v.shape)}")
+    return v.contiguous()
+
+
+def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
+               sigma_next: torch.Tensor) -> torch.Tensor:
+    """One H3 Euler (eta = 0) step, bitwise equal to diffusers ``MiniMaxH3Scheduler.step``.
+
+    Args:
+        sample: ``(B, ...)`` float32/bfloat16/float16, contiguous: ``x_t``.
+        velocity: like ``sample`` (same shape, dtype, device): the data-ward model output.
+        timestep: float32, 0-d or ``(B,)``, in ``[0, 1]``: the timestep the model was conditioned on.
+        sigma: float32, 0-d or ``(B,)``, ``> 0``: the grid sigma of this step.
+        sigma_next: float32, 0-d or ``(B,)``, in ``[0, sigma]``: the next grid sigma.
+
+    A 1-D schedule argument always indexes samples (dim 0 of ``sample``) and is reshaped to
+    ``(B, 1, ..., 1)`` explicitly; any other length is a ``ValueError``, never a broadcast over
+    channels. Returns ``x_next`` like ``sample``: ``x0 = sample + (1 - t)·v`` rounded in the sample's
+    dtype, then ``r·sample + (1 - r)·x0`` with ``r = sigma_next/sigma``, every product and sum rounded
+    separately in float32 (the sample's dtype for float32 samples), cast to the sample's dtype.
+    Elementwise, so batch-invariant and repeatable. Gradients flow to ``sample`` and ``velocity``.
+    """
+    check_tensor("sample", sample, dtypes=FLOAT_DTYPES)
+    if sample.ndim < 1:
+        raise ValueError("sample must have a batch dimension, got a 0-d tensor")
+    check_tensor("velocity", velocity, dtypes=(sample.dtype,), shape=tuple(sample.shape), device=sample.device)
+    for name, t in (("sample", sample), ("velocity", velocity)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    batch = sample.shape[0]
+    timestep = _per_sample_scalar("timestep", timestep, batch, sample.device)
+    sigma = _per_sample_scalar("sigma", sigma, batch, sample.device)
+    sigma_next = _per_sample_scalar("sigma_next", sigma_next, batch, sample.device)
+    check_finite_range("timestep", timestep, 0.0, 1.0)
+    check_finite_range("sigma", sigma, 0.0, float("inf"))
+    if bool((sigma <= 0).any()):
+        raise ValueError(f"sigma must be > 0, found {sigma[sigma <= 0][0].item()}")
+    check_finite_range("sigma_next", sigma_next, 0.0, float("inf"))
+    if bool((sigma_next > sigma).any()):
+        raise ValueError("sigma_next must lie in [0, sigma]")
+    backend = backend_for("euler_step", sample, velocity, timestep, sigma, sigma_next)
+    if backend == "triton":
+        return EulerStepFunction.apply(sample, velocity, timestep, sigma, sigma_next)
+    return euler_step_reference(sample, velocity, timestep, sigma, sigma_next)
