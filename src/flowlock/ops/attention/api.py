@@ -1,0 +1,68 @@
+"""Public attention: validation for every backend, then explicit dispatch."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from flowlock.dispatch import backend_for
+from flowlock.ops._validate import check_tensor
+from flowlock.ops.attention.reference import attention_reference, default_scale
+from flowlock.ops.attention.triton import AttentionFunction
+
+HEAD_DIMS = (32, 64, 128)
+DTYPES = (torch.bfloat16,)
+# grid axis 1 carries sample * head (CUDA caps it at 65535)
+MAX_BATCH_HEADS = 65535
+
+
+def _check_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return default_scale(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return scale
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Full non-causal softmax attention over one document per sample.
+
+    Args:
+        q, k, v: ``(B, S, heads, D)`` bf16 on one device (diffusers' BSHD layout), ``B, S, heads >= 1``,
+            ``D`` in {32, 64, 128}, ``B * heads <= 65535``. Any strides, but the last dimension must be
+            contiguous (views of a fused qkv projection are accepted without a copy).
+        scale: softmax scale, finite and positive; default ``1 / sqrt(D)``.
+
+    Returns:
+        ``(B, S, heads, D)`` bf16, contiguous: ``softmax(scale * q k^T) v`` per sample and head.
+
+    Guarantees (Triton backend): each (sample, head, query row) output is a function of that row
+    of ``q`` and all of ``k``, ``v`` only, with KV blocks of a frozen size folded in ascending order,
+    so outputs are bitwise batch-invariant and row-pure; no atomics, so ``dq``, ``dk``, ``dv`` are
+    bitwise repeatable and batch-invariant too. Extra memory O(B * heads * S). The CPU backend is
+    the PyTorch reference (same rounding points, not bitwise equal to the kernel). Every check
+    below runs before any launch.
+    """
+    check_tensor("q", q, dtypes=DTYPES, ndim=4)
+    device = q.device
+    check_tensor("k", k, dtypes=DTYPES, shape=tuple(q.shape), device=device)
+    check_tensor("v", v, dtypes=DTYPES, shape=tuple(q.shape), device=device)
+    batch, seq, heads, dim = q.shape
+    if batch < 1 or seq < 1 or heads < 1:
+        raise ValueError(f"q must have B, S, heads >= 1, got shape {tuple(q.shape)}")
+    if dim not in HEAD_DIMS:
+        raise ValueError(f"q head dim must be one of {HEAD_DIMS}, got {dim}")
+    if batch * heads > MAX_BATCH_HEADS:
+        raise ValueError(f"q must have B * heads <= {MAX_BATCH_HEADS}, got {batch * heads}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    scale = _check_scale(scale, dim)
+    if backend_for("attention", q, k, v) == "triton":
+        return AttentionFunction.apply(q, k, v, scale)
+    return attention_reference(q, k, v, scale)
