@@ -99,3 +99,26 @@ for _d in (32, 64, 128):
     register("attention_bwd_delta", "bf16", "sm90", _cfg(4, BLOCK_M=64, note="memory-bound row sums"), (_d,))
     register("attention_bwd_dkdv", "bf16", "sm90", _cfg(8, 2, BLOCK_M=64, BLOCK_N=128, note="untuned start"), (_d,))
     register("attention_bwd_dq", "bf16", "sm90", _cfg(8, 2, BLOCK_M=128, BLOCK_N=64, note="untuned start"), (_d,))
+
+# linear: BLOCK_R (reduced-dim block) is one value per (dtype, arch) for every weight shape, so fused qkv == q, k, v.
+_LINEAR_ANY = "interpreter-sized (ragged tails at test shapes); non-Hopper GPUs run the pointer kernel with these"
+for _dt in ("bf16", "fp32"):
+    register("linear_fwd", _dt, "any", _cfg(4, BLOCK_I=16, BLOCK_J=16, BLOCK_R=32, GROUP_I=2, UNIT=0, TMA=0,
+                                            EPI_SPLIT=0, note=_LINEAR_ANY))
+    register("linear_dx", _dt, "any", _cfg(4, BLOCK_I=16, BLOCK_J=16, BLOCK_R=16, GROUP_I=2, UNIT=0, TMA=0,
+                                           EPI_SPLIT=0, note=_LINEAR_ANY))
+    register("linear_dw", _dt, "any", _cfg(4, BLOCK_I=16, BLOCK_J=16, BLOCK_R=8, GROUP_I=2, UNIT=16, TMA=0,
+                                           EPI_SPLIT=0, note=_LINEAR_ANY + "; UNIT = dW token unit"))
+    register("linear_dbias", _dt, "any", _cfg(4, BLOCK_N=16, BLOCK_R=8, UNIT=16, note=_LINEAR_ANY))
+_LINEAR_SM90 = "first guess from Hopper TMA GEMM practice; not yet measured"
+register("linear_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
+                                            EPI_SPLIT=1, note=_LINEAR_SM90))
+register("linear_dx", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
+                                           EPI_SPLIT=1, note=_LINEAR_SM90))
+register("linear_dw", "bf16", "sm90", _cfg(8, 4, BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
+                                           EPI_SPLIT=0, note=_LINEAR_SM90 + "; UNIT = dW token unit"))
+register("linear_dbias", "bf16", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note=_LINEAR_SM90))
+for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):
+    register(_op, "fp32", "sm90", _cfg(4, 3, BLOCK_I=64, BLOCK_J=64, BLOCK_R=32, GROUP_I=8, UNIT=_unit, TMA=1,
+                                       EPI_SPLIT=0, note="true-fp32 FMA dot (no TF32); small modules only"))
+register("linear_dbias", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note=_LINEAR_SM90))

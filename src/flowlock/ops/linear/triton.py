@@ -1,0 +1,356 @@
+"""Triton kernels, launchers and autograd for ``linear``.
+
+All three products of a linear layer are one GEMM ``C[i, j] = sum_r A[i, r] * B[r, j]``:
+
+========  =========  ==========  =============  ==================================
+product   i (rows)   j (cols)    r (reduced)    operands as stored
+========  =========  ==========  =============  ==================================
+forward   tokens M   outputs N   inputs K       A = x (M, K), B^T = weight (N, K)
+dX        tokens M   inputs K    outputs N      A = dY (M, N), B = weight (N, K)
+dW        outputs N  inputs K    tokens M       A^T = dY (M, N), B = x (M, K)
+========  =========  ==========  =============  ==================================
+
+Every output element accumulates ``acc = tl.dot(a, b, acc)`` from zero, ascending over the reduced
+dimension in blocks of ``BLOCK_R``; out-of-range operand elements are zero on every path. Its bits
+therefore depend only on its own A row, B column and ``BLOCK_R``, never on the tile that holds it,
+the grid, M, N or how columns are fused or sharded. ``BLOCK_R`` comes from ``flowlock.config`` and
+depends on dtype and architecture only.
+
+dW reduces over tokens in fixed *token units* of ``UNIT`` rows (a multiple of ``BLOCK_R``): each
+unit is summed from zero into a fresh float32 accumulator and the unit sums are folded left,
+ascending, into the running total; the total is rounded once. A rank holding whole units can
+compute its unit sums alone and a left fold of all units reproduces the single-GPU bits, which is
+what sequence parallelism needs. dBias uses the same units.
+
+Two kernel variants share these semantics; the launch config names the one to use (``TMA``):
+``_linear_gemm_tma_kernel`` (Hopper: TMA tensor descriptors, persistent grid with a fixed grouped
+tile order) and ``_linear_gemm_kernel`` (plain masked ``tl.load``, any GPU and the interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flowlock.config import LaunchConfig, launch_config
+from flowlock.dispatch import interpreter_active
+from flowlock.ops._triton_utils import arch_of
+
+# Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
+# walks several tiles per program in CPU tests.
+_INTERP_PROGRAMS = 3
+
+
+@triton.jit
+def _tile_coords(tile, n_i, n_j, GROUP_I: tl.constexpr):
+    """Grouped tile order: GROUP_I row tiles walk the columns together (L2 reuse of B)."""
+    width = GROUP_I * n_j
+    first_i = (tile // width) * GROUP_I
+    size_i = tl.minimum(n_i - first_i, GROUP_I)
+    pid_i = first_i + (tile % width) % size_i
+    pid_j = (tile % width) // size_i
+    return pid_i, pid_j
+
+
+@triton.jit
+def _mma(a, b, acc, FP32_DOT: tl.constexpr):
+    # FP32_DOT: fp32 or mixed operands, or the interpreter (which computes bf16 dots wrongly; bf16
+    # products are exact in fp32). "ieee" keeps fp32 out of TF32.
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _to_out(acc, OUT_DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Round the fp32 accumulator to the output dtype, to nearest even. SOFT_BF16 (interpreter
+    only, whose fp32 -> bf16 cast truncates) does the same rounding with integer ops."""
+    if SOFT_BF16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(acc != acc, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(OUT_DTYPE)
+
+
+@triton.jit
+def _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, lo, hi, stride_ai, stride_ar, stride_br, stride_bj,
+                   acc, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc += A[offs_i, lo:hi] @ B[lo:hi, offs_j], ascending in BLOCK_R steps."""
+    mask_i = offs_i < I
+    mask_j = offs_j < J
+    for r0 in range(lo, hi, BLOCK_R):
+        offs_r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask_r = offs_r < hi
+        a = tl.load(a_ptr + offs_i[:, None] * stride_ai + offs_r[None, :] * stride_ar,
+                    mask=mask_i[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_j[None, :] * stride_bj,
+                    mask=mask_r[:, None] & mask_j[None, :], other=0.0)
+        acc = _mma(a, b, acc, FP32_DOT)
+    return acc
+
+
+@triton.jit
+def _linear_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, I, J, R,
+                        stride_ai, stride_ar, stride_br, stride_bj, stride_ci, stride_cj,
+                        HAS_BIAS: tl.constexpr, UNIT: tl.constexpr, FP32_DOT: tl.constexpr,
+                        SOFT_BF16: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+                        GROUP_I: tl.constexpr):
+    """Pointer variant: one program per (BLOCK_I, BLOCK_J) output tile. UNIT == 0: one unit."""
+    n_i = tl.cdiv(I, BLOCK_I)
+    n_j = tl.cdiv(J, BLOCK_J)
+    pid_i, pid_j = _tile_coords(tl.program_id(0), n_i, n_j, GROUP_I)
+    offs_i = (pid_i * BLOCK_I + tl.arange(0, BLOCK_I)).to(tl.int64)
+    offs_j = (pid_j * BLOCK_J + tl.arange(0, BLOCK_J)).to(tl.int64)
+    acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    if UNIT == 0:
+        acc = _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, 0, R, stride_ai, stride_ar, stride_br,
+                             stride_bj, acc, BLOCK_R, FP32_DOT)
+    else:
+        for u in range(0, R, UNIT):
+            part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+            part = _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, u, tl.minimum(u + UNIT, R),
+                                  stride_ai, stride_ar, stride_br, stride_bj, part, BLOCK_R, FP32_DOT)
+            acc = acc + part
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_j, mask=offs_j < J, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    mask = (offs_i < I)[:, None] & (offs_j < J)[None, :]
+    c_ptrs = c_ptr + offs_i[:, None] * stride_ci + offs_j[None, :] * stride_cj
+    tl.store(c_ptrs, _to_out(acc, c_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+
+
+@triton.jit
+def _tma_dot_range(a_desc, b_desc, oi, oj, lo, hi, acc, A_T: tl.constexpr, B_T: tl.constexpr,
+                   BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr):
+    """acc += A[oi tile, lo:hi] @ B[lo:hi, oj tile]; TMA zero-fills past the tensor's edge."""
+    for r0 in tl.range(lo, hi, BLOCK_R):
+        if A_T:
+            a = a_desc.load([r0, oi]).T
+        else:
+            a = a_desc.load([oi, r0])
+        if B_T:
+            b = b_desc.load([oj, r0]).T
+        else:
+            b = b_desc.load([r0, oj])
+        acc = _mma(a, b, acc, FP32_DOT)
+    return acc
+
+
+@triton.jit
+def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
+                            A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            UNIT: tl.constexpr, FP32_DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
+                            EPI_SPLIT: tl.constexpr,
+                            BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+                            GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """TMA variant: persistent programs walk the grouped tile order with stride NUM_PROGRAMS.
+
+    Descriptor blocks: A is (BLOCK_I, BLOCK_R), or (BLOCK_R, BLOCK_I) when stored transposed
+    (A_T); B is (BLOCK_R, BLOCK_J), or (BLOCK_J, BLOCK_R) when B_T; C is (BLOCK_I, BLOCK_J), or
+    (BLOCK_I, BLOCK_J // 2) with EPI_SPLIT, which stores the tile in two halves to halve the
+    epilogue's shared memory.
+    """
+    n_i = tl.cdiv(I, BLOCK_I)
+    n_j = tl.cdiv(J, BLOCK_J)
+    for tile in tl.range(tl.program_id(0), n_i * n_j, NUM_PROGRAMS):
+        pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
+        oi = pid_i * BLOCK_I
+        oj = pid_j * BLOCK_J
+        acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+        if UNIT == 0:
+            acc = _tma_dot_range(a_desc, b_desc, oi, oj, 0, R, acc, A_T, B_T, BLOCK_R, FP32_DOT)
+        else:
+            for u in range(0, R, UNIT):
+                part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+                part = _tma_dot_range(a_desc, b_desc, oi, oj, u, tl.minimum(u + UNIT, R), part, A_T, B_T,
+                                      BLOCK_R, FP32_DOT)
+                acc = acc + part
+        if HAS_BIAS:
+            offs_j = oj + tl.arange(0, BLOCK_J)
+            bias = tl.load(bias_ptr + offs_j, mask=offs_j < J, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        c = _to_out(acc, c_desc.dtype, SOFT_BF16)
+        if EPI_SPLIT:
+            halves = tl.permute(tl.reshape(c, (BLOCK_I, 2, BLOCK_J // 2)), (0, 2, 1))
+            c0, c1 = tl.split(halves)
+            c_desc.store([oi, oj], c0)
+            c_desc.store([oi, oj + BLOCK_J // 2], c1)
+        else:
+            c_desc.store([oi, oj], c)
+
+
+@triton.jit
+def _linear_dbias_kernel(dy_ptr, db_ptr, M, N, stride_m, UNIT: tl.constexpr, SOFT_BF16: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dBias[n] = sum_m dY[m, n]: BLOCK_R-row tiles summed into a fresh fp32 unit accumulator,
+    unit sums folded left over UNIT-row units, one rounding."""
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = offs_n < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for u in range(0, M, UNIT):
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        hi = tl.minimum(u + UNIT, M)
+        for r0 in range(u, hi, BLOCK_R):
+            offs_r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+            tile = tl.load(dy_ptr + offs_r[:, None] * stride_m + offs_n[None, :],
+                           mask=(offs_r < hi)[:, None] & mask_n[None, :], other=0.0)
+            part = part + tl.sum(tile.to(tl.float32), axis=0)
+        total = total + part
+    tl.store(db_ptr + offs_n, _to_out(total, db_ptr.dtype.element_ty, SOFT_BF16), mask=mask_n)
+
+
+@functools.cache
+def _num_programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _soft_bf16(out_dtype: torch.dtype) -> bool:
+    return interpreter_active() and out_dtype == torch.bfloat16
+
+
+def _config_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Configs are keyed by bf16 only when every operand is bf16; fp32 or mixed use fp32 ones."""
+    return torch.bfloat16 if all(t.dtype == torch.bfloat16 for t in tensors) else torch.float32
+
+
+def tma_alignment_error(weight: torch.Tensor, operand_dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """Why the TMA variant cannot serve this weight shape (row strides must be 16-byte multiples),
+    or None. Checked by the API before launch; the launcher copies misaligned activations."""
+    n, k = weight.shape
+    for dt in operand_dtypes:
+        per16 = 16 // dt.itemsize
+        if n % per16 or k % per16:
+            return f"the TMA kernel needs N and K to be multiples of {per16} for {dt}, got N={n} K={k}"
+    return None
+
+
+def uses_tma(op: str, weight: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """Whether the frozen config for ``op`` on this weight names the TMA variant."""
+    return bool(launch_config(op, _config_dtype(*operands), arch_of(weight), tuple(weight.shape))["TMA"])
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
+          cfg: LaunchConfig) -> torch.Tensor:
+    """Launch ``c = A @ B (+ bias)`` with A stored as ``a`` (transposed when ``a_t``) and B stored
+    as ``b`` (transposed when ``b_t``); all 2-D with unit last stride."""
+    i_dim, j_dim = c.shape
+    r_dim = a.shape[0] if a_t else a.shape[1]
+    fp32_dot = interpreter_active() or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
+    soft_bf16 = _soft_bf16(c.dtype)
+    bi, bj, br, unit = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["UNIT"]
+    if cfg["TMA"]:
+        a, b = _tma_ready(a), _tma_ready(b)
+        epi_split = bool(cfg["EPI_SPLIT"])
+        a_desc = TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br])
+        b_desc = TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj])
+        c_desc = TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj])
+        tiles = triton.cdiv(i_dim, bi) * triton.cdiv(j_dim, bj)
+        programs = _INTERP_PROGRAMS if c.device.type != "cuda" else _num_programs(c.device.index or 0)
+        programs = min(programs, tiles)
+        _linear_gemm_tma_kernel[(programs,)](
+            a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
+            A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
+            EPI_SPLIT=epi_split,
+            BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        s_ai, s_ar = (a.stride(1), a.stride(0)) if a_t else (a.stride(0), a.stride(1))
+        s_br, s_bj = (b.stride(1), b.stride(0)) if b_t else (b.stride(0), b.stride(1))
+        grid = (triton.cdiv(i_dim, bi) * triton.cdiv(j_dim, bj),)
+        _linear_gemm_kernel[grid](
+            a, b, bias if bias is not None else c, c, i_dim, j_dim, r_dim,
+            s_ai, s_ar, s_br, s_bj, c.stride(0), c.stride(1),
+            HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
+            BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"],
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return c
+
+
+def _lookup(op: str, weight: torch.Tensor, *operands: torch.Tensor) -> LaunchConfig:
+    return launch_config(op, _config_dtype(*operands), arch_of(weight), tuple(weight.shape))
+
+
+def linear_fwd(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+               config: LaunchConfig | None = None) -> torch.Tensor:
+    """``x2d (M, K) @ weight (N, K).T + bias`` -> ``(M, N)`` in ``out_dtype``. Trusted inputs.
+    ``config`` overrides the frozen config (tests only)."""
+    m, n = x2d.shape[0], weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
+    if m == 0:
+        return out
+    cfg = config or _lookup("linear_fwd", weight, x2d, weight)
+    return _gemm(x2d, False, weight, True, out, bias, cfg)
+
+
+def linear_dx(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+              config: LaunchConfig | None = None) -> torch.Tensor:
+    """``dy (M, N) @ weight (N, K)`` -> ``(M, K)`` in ``out_dtype``, reducing over N."""
+    m, k = dy.shape[0], weight.shape[1]
+    out = torch.empty((m, k), dtype=out_dtype, device=dy.device)
+    if m == 0:
+        return out
+    cfg = config or _lookup("linear_dx", weight, dy, weight)
+    return _gemm(dy, False, weight, False, out, None, cfg)
+
+
+def linear_dw(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+              config: LaunchConfig | None = None) -> torch.Tensor:
+    """``dy (M, N).T @ x2d (M, K)`` -> ``(N, K)`` in ``out_dtype``, folded over token units.
+    ``weight`` only selects the config. M == 0 gives zeros without a launch."""
+    n, k = weight.shape
+    if dy.shape[0] == 0:
+        return torch.zeros((n, k), dtype=out_dtype, device=dy.device)
+    out = torch.empty((n, k), dtype=out_dtype, device=dy.device)
+    cfg = config or _lookup("linear_dw", weight, dy, x2d)
+    return _gemm(dy, True, x2d, False, out, None, cfg)
+
+
+def linear_dbias(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                 config: LaunchConfig | None = None) -> torch.Tensor:
+    """``dy (M, N).sum(0)`` -> ``(N,)`` in ``out_dtype``, fp32 over the same token units as dW."""
+    m, n = dy.shape
+    if m == 0:
+        return torch.zeros((n,), dtype=out_dtype, device=dy.device)
+    out = torch.empty((n,), dtype=out_dtype, device=dy.device)
+    cfg = config or _lookup("linear_dbias", weight, dy)
+    _linear_dbias_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        dy, out, m, n, dy.stride(0), UNIT=cfg["UNIT"], SOFT_BF16=_soft_bf16(out_dtype),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], num_warps=cfg.num_warps)
+    return out
+
+
+class LinearFunction(torch.autograd.Function):
+    """Autograd node over 2-D operands: forward, dX, dW and dBias all via the kernels above."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, out_dtype):
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return linear_fwd(x2d, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = linear_dx(dy, weight, x2d.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = linear_dw(dy, x2d, weight, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = linear_dbias(dy, weight, ctx.bias_dtype)
+        return dx, dw, db, None
