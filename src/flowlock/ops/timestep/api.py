@@ -1,0 +1,68 @@
+"""Public ``timestep_sinusoid`` and ``timestep_mlp``: validation, then dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from flowlock.dispatch import backend_for
+from flowlock.ops._validate import check_finite_range, check_tensor
+from flowlock.ops.timestep.reference import CHANNELS, timestep_mlp_reference, timestep_sinusoid_reference
+from flowlock.ops.timestep.triton import TimestepMlpFunction, TimestepSinusoidFunction
+
+
+def _contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def timestep_sinusoid(t: torch.Tensor) -> torch.Tensor:
+    """H3's timestep embedding: ``(T,)`` float32 in ``[0, 1]`` -> ``(T, 256)`` float32, cos first.
+
+    Bitwise equal to diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`` on the
+    same device: ``[cos(t·f_k), sin(t·f_k)]`` with diffusers' own float32 frequency table and one
+    float32 product. Only float32 ``t`` is accepted (``TypeError`` otherwise): diffusers upcasts with
+    ``.float()``, and a bf16 timestep near 1 has already lost ~40% of the relative precision of
+    ``sigma = 1 - t`` before that upcast, so a narrower ``t`` is a caller bug, not something to absorb.
+    H3 consumes timesteps unscaled: values outside ``[0, 1]`` (e.g. ``t·1000``) or NaN raise
+    ``ValueError``. Rows are pure; differentiable to ``t`` (fixed pairwise tree over the channels).
+    """
+    check_tensor("t", t, dtypes=(torch.float32,), ndim=1)
+    _contiguous("t", t)
+    check_finite_range("t", t, 0.0, 1.0)
+    if backend_for("timestep_sinusoid", t) == "triton":
+        return TimestepSinusoidFunction.apply(t)
+    return timestep_sinusoid_reference(t)
+
+
+def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                 b2: torch.Tensor) -> torch.Tensor:
+    """H3's ``time_embedder``: ``silu(x @ w1ᵀ + b1) @ w2ᵀ + b2``, all float32, no TF32.
+
+    Args:
+        x: ``(T, K)`` float32 (K = 256 for H3), T small (1..8 in H3).
+        w1: ``(H, K)`` float32 (H = 5376), b1: ``(H,)`` float32.
+        w2: ``(E, H)`` float32 (E = 2688), b2: ``(E,)`` float32. All contiguous, one device.
+
+    Returns ``(T, E)`` float32. Every output row depends only on its input row (one fixed K order per
+    element, whatever T is); weight and bias gradients are deterministic ascending sums over the rows.
+    """
+    check_tensor("x", x, dtypes=(torch.float32,), ndim=2)
+    dev = x.device
+    t_rows, k = x.shape
+    if t_rows < 1 or k < 1:
+        raise ValueError(f"x must have at least one row and one column, got {tuple(x.shape)}")
+    check_tensor("w1", w1, dtypes=(torch.float32,), ndim=2, device=dev)
+    hidden = w1.shape[0]
+    check_tensor("w1", w1, shape=(hidden, k))
+    check_tensor("b1", b1, dtypes=(torch.float32,), shape=(hidden,), device=dev)
+    check_tensor("w2", w2, dtypes=(torch.float32,), ndim=2, device=dev)
+    check_tensor("w2", w2, shape=(w2.shape[0], hidden))
+    check_tensor("b2", b2, dtypes=(torch.float32,), shape=(w2.shape[0],), device=dev)
+    for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        _contiguous(name, t)
+    if backend_for("timestep_mlp", x, w1, b1, w2, b2) == "triton":
+        return TimestepMlpFunction.apply(x, w1, b1, w2, b2)
+    return timestep_mlp_reference(x, w1, b1, w2, b2)
+
+
+__all__ = ["CHANNELS", "timestep_mlp", "timestep_sinusoid"]

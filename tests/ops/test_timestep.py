@@ -1,0 +1,225 @@
+"""timestep_sinusoid and timestep_mlp: diffusers parity, FP64 budgets, pure rows with a planted
+failure, repeatability, the channel tree of d t, bad inputs."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models.embeddings import TimestepEmbedding, Timesteps
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flowlock
+from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
+from flowlock.ops.timestep.reference import sinusoid_freqs, timestep_mlp_golden, timestep_sinusoid_golden
+from flowlock.testing import (
+    assert_batch_invariant,
+    assert_bitwise_equal,
+    assert_repeatable,
+    assert_within_budget,
+    batch_invariance_failures,
+)
+
+K, HIDDEN, EMBED = 256, 45, 27
+
+
+def _triton(fn, *args):
+    with flowlock.use_backend("triton"):
+        return fn(*args)
+
+
+def _diffusers_sinusoid(t):
+    return Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)(t)
+
+
+t_values = st.lists(st.floats(0.0, 1.0, width=32), min_size=1, max_size=9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(t_values)
+def test_sinusoid_reference_bitwise_diffusers_hypothesis(values):
+    t = torch.tensor(values, dtype=torch.float32)
+    assert_bitwise_equal(timestep_sinusoid(t), _diffusers_sinusoid(t))
+
+
+@settings(max_examples=40, deadline=None)
+@given(t_values)
+def test_sinusoid_kernel_takes_diffusers_product_bitwise_hypothesis(values):
+    """Interpreted, the kernel applies numpy's sin/cos (no libdevice on CPU) to exactly diffusers'
+    float32 argument; on the GPU the same kernel calls CUDA sinf/cosf (see the gpu test)."""
+    t = torch.tensor(values, dtype=torch.float32)
+    arg = (t[:, None] * sinusoid_freqs(t.device)[None, :]).numpy()
+    expected = torch.from_numpy(np.concatenate([np.cos(arg), np.sin(arg)], axis=-1))
+    assert_bitwise_equal(_triton(timestep_sinusoid, t), expected)
+
+
+@pytest.mark.gpu
+def test_sinusoid_kernel_bitwise_diffusers_on_cuda():
+    t = torch.cat([torch.tensor([0.0, 1.0, 2.0**-130]), torch.rand(4093)]).cuda()
+    assert_bitwise_equal(timestep_sinusoid(t), _diffusers_sinusoid(t))
+
+
+def test_sinusoid_forward_and_grad_within_fp64_budget():
+    t = torch.tensor([0.0, 0.013, 0.25, 0.5, 0.77, 0.999, 1.0])
+    g = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+
+    def run(fn, tt):
+        tt = tt.clone().requires_grad_()
+        out = fn(tt)
+        out.backward(g.to(out.dtype))
+        return out.detach(), tt.grad
+
+    out, dt = run(lambda x: _triton(timestep_sinusoid, x), t)
+    base_out, base_dt = run(_diffusers_sinusoid, t)
+    gold_out, gold_dt = run(timestep_sinusoid_golden, t.double())
+    assert_within_budget(out, gold_out, baseline=base_out, what="sinusoid")
+    assert_within_budget(dt, gold_dt, baseline=base_dt, what="d t")
+
+
+def test_sinusoid_grad_is_the_documented_pairwise_tree():
+    t = torch.tensor([0.0, 0.3, 1.0])
+    g = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    tt = t.clone().requires_grad_()
+    _triton(timestep_sinusoid, tt).backward(g)
+    f = sinusoid_freqs(t.device)
+    arg = (t[:, None] * f[None, :]).numpy()
+    s, c = torch.from_numpy(np.sin(arg)), torch.from_numpy(np.cos(arg))
+    terms = f * (c * g[:, 128:]) - f * (s * g[:, :128])
+    while terms.shape[1] > 1:
+        pairs = terms.reshape(3, -1, 2)
+        terms = pairs[..., 0] + pairs[..., 1]
+    assert_bitwise_equal(tt.grad, terms[:, 0])
+
+
+def test_sinusoid_batch_invariant_and_repeatable():
+    pool = torch.rand(16, generator=torch.Generator().manual_seed(3))
+
+    def fwd_bwd(t):
+        t = t.clone().requires_grad_()
+        out = _triton(timestep_sinusoid, t)
+        out.backward(torch.ones_like(out))
+        return out.detach(), t.grad
+
+    assert_batch_invariant(fwd_bwd, pool)
+    assert_repeatable(lambda: fwd_bwd(pool[:5]), runs=5)
+
+
+def _mlp_params(seed=0, hidden=HIDDEN, embed=EMBED):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(hidden, K, generator=g) / 16, torch.randn(hidden, generator=g),
+            torch.randn(embed, hidden, generator=g) / hidden ** 0.5, torch.randn(embed, generator=g))
+
+
+def _embedder(params):
+    w1, b1, w2, b2 = params
+    module = TimestepEmbedding(K, w1.shape[0], out_dim=w2.shape[0])
+    with torch.no_grad():
+        for p, v in zip((module.linear_1.weight, module.linear_1.bias, module.linear_2.weight,
+                         module.linear_2.bias), params):
+            p.copy_(v)
+    return module
+
+
+def _all_grads(fn, x, params, grad):
+    leaves = [x.clone().requires_grad_()] + [p.clone().requires_grad_() for p in params]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.detach()] + [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_mlp_forward_and_grads_within_fp64_budget(rows):
+    params = _mlp_params(rows)
+    x = _triton(timestep_sinusoid, torch.rand(rows, generator=torch.Generator().manual_seed(4)))
+    grad = torch.randn(rows, EMBED, generator=torch.Generator().manual_seed(5))
+    got = _all_grads(lambda *a: _triton(timestep_mlp, *a), x, params, grad)
+    module = _embedder(params)
+
+    def eager(x, w1, b1, w2, b2):
+        return torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1, b1)), w2, b2)
+
+    assert_bitwise_equal(module(x), eager(x, *params))
+    base = _all_grads(eager, x, params, grad)
+    gold = _all_grads(timestep_mlp_golden, x.double(), [p.double() for p in params], grad)
+    names = ("out", "dx", "dw1", "db1", "dw2", "db2")
+    for name, a, b, gd in zip(names, got, base, gold):
+        assert a.dtype == torch.float32 and a.shape == gd.shape
+        assert_within_budget(a, gd, baseline=b, what=name)
+
+
+def test_mlp_reference_is_golden_rounded():
+    params = _mlp_params(6)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(7))
+    golden = timestep_mlp_golden(x.double(), *[p.double() for p in params])
+    assert_bitwise_equal(timestep_mlp(x, *params), golden.float())
+
+
+def test_mlp_rows_pure_and_harness_catches_planted_failure():
+    params = _mlp_params(8)
+    pool = torch.randn(16, K, generator=torch.Generator().manual_seed(9))
+
+    def fwd_dx(x):
+        x = x.clone().requires_grad_()
+        out = _triton(timestep_mlp, x, *params)
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad
+
+    assert_batch_invariant(fwd_dx, pool, sizes=(2, 3, 9, 16))
+
+    def planted(x):
+        # The K order depends on the batch: big batches sum two K halves separately.
+        w1, b1, w2, b2 = params
+        if x.shape[0] > 4:
+            h = (x[:, :128] @ w1[:, :128].t() + x[:, 128:] @ w1[:, 128:].t()) + b1
+        else:
+            h = x @ w1.t() + b1
+        return (torch.nn.functional.silu(h) @ w2.t() + b2,)
+
+    assert batch_invariance_failures(planted, pool, sizes=(2, 9, 16))
+
+
+def test_mlp_repeatable_including_weight_grads():
+    params = _mlp_params(10)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(11))
+    grad = torch.randn(9, EMBED, generator=torch.Generator().manual_seed(12))
+    assert_repeatable(lambda: _all_grads(lambda *a: _triton(timestep_mlp, *a), x, params, grad), runs=4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("t, exc, match", [
+    (torch.tensor([0.5], dtype=torch.bfloat16), TypeError, "t must have dtype"),
+    (torch.tensor([0.5], dtype=torch.float64), TypeError, "t must have dtype"),
+    (torch.tensor([0.5, 250.0]), ValueError, "t values"),
+    (torch.tensor([-0.01]), ValueError, "t values"),
+    (torch.tensor([float("nan")]), ValueError, "t values"),
+    (torch.tensor([[0.5]]), ValueError, "t must be 1-D"),
+    (torch.tensor([0.1, 0.2, 0.3, 0.4])[::2], ValueError, "contiguous"),
+    ([0.5], TypeError, "t must be a torch.Tensor"),
+])
+def test_sinusoid_bad_inputs(backend, t, exc, match):
+    before = t.clone() if isinstance(t, torch.Tensor) else None
+    with flowlock.use_backend(backend), pytest.raises(exc, match=match):
+        timestep_sinusoid(t)
+    if before is not None:
+        assert_bitwise_equal(t, before)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("index, bad, exc, match", [
+    (0, torch.randn(3, K).double(), TypeError, "x must have dtype"),
+    (0, torch.randn(3, K + 1), ValueError, "w1 must have shape"),
+    (0, torch.randn(0, K), ValueError, "x must have at least one row"),
+    (1, torch.randn(HIDDEN, K).bfloat16(), TypeError, "w1"),
+    (1, torch.randn(K, HIDDEN).t(), ValueError, "w1 must be contiguous"),
+    (2, torch.randn(HIDDEN + 1), ValueError, "b1 must have shape"),
+    (3, torch.randn(EMBED, HIDDEN + 2), ValueError, "w2 must have shape"),
+    (4, torch.randn(EMBED, 1), ValueError, "b2 must have shape"),
+    (4, torch.randn(EMBED, device="meta"), ValueError, "b2 must be on cpu"),
+])
+def test_mlp_bad_inputs(backend, index, bad, exc, match):
+    args = [torch.randn(3, K), *_mlp_params(13)]
+    args[index] = bad
+    before = [a.clone() for a in args if a.device.type != "meta"]
+    with flowlock.use_backend(backend), pytest.raises(exc, match=match):
+        timestep_mlp(*args)
+    for a, b in zip([a for a in args if a.device.type != "meta"], before):
+        assert_bitwise_equal(a, b)
