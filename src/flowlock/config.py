@@ -122,3 +122,19 @@ for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):
     register(_op, "fp32", "sm90", _cfg(4, 3, BLOCK_I=64, BLOCK_J=64, BLOCK_R=32, GROUP_I=8, UNIT=_unit, TMA=1,
                                        EPI_SPLIT=0, note="true-fp32 FMA dot (no TF32); small modules only"))
 register("linear_dbias", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note=_LINEAR_SM90))
+
+# adaln (adaln_table / adaln_modulation / final_adaln_out): chosen by design for the weight-streaming
+# memory roof on sm90 (not yet measured on an H200); the "any" entries keep interpreter runs small.
+register("adaln_proj_fwd", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=32, BLOCK_K=16,
+                                               note="interpreter-sized; K tiles of 16 exercise masked tails"))
+register("adaln_proj_fwd", "bf16", "sm90", _cfg(4, 4, BLOCK_T=16, BLOCK_N=64, BLOCK_K=128,
+                                                note="one weight pass for 16 T rows; 1512 programs at H3 dims"))
+register("adaln_proj_bwd_act", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=48,
+                                                   note="interpreter-sized; several N chunks at tiny H"))
+register("adaln_proj_bwd_act", "bf16", "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=4096,
+                                                    note="24 fixed N chunks x 42 K tiles at H3 dims"))
+register("adaln_proj_bwd_weight", "bf16", "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
+register("adaln_proj_bwd_weight", "bf16", "sm90", _cfg(4, 1, BLOCK_N=64, BLOCK_K=128,
+                                                       note="dW written once; T rows streamed per tile"))
+register("adaln_gather", "fp32", "any", _cfg(4, BLOCK_S=16, BLOCK_H=32, note="row gather, memory-bound"))
+register("adaln_gather", "fp32", "sm90", _cfg(4, BLOCK_S=16, BLOCK_H=256, note="row gather, memory-bound"))

@@ -1,0 +1,99 @@
+"""Public ``adaln_table`` and ``adaln_modulation``: validation, then explicit dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from flowlock.dispatch import backend_for
+from flowlock.ops._validate import check_index, check_tensor
+
+
+def check_projection(temb: object, weight: object, bias: object, outputs_per_h: int) -> tuple[int, int, int]:
+    """Validate temb (T, E) fp32, weight (k*H, E) bf16, bias (k*H,) bf16 on one device; return (T, E, H).
+
+    ``outputs_per_h`` is ``k``: 18 for the AdaLN table, 2 for the final norm's shift/scale.
+    """
+    temb = check_tensor("temb", temb, dtypes=(torch.float32,), ndim=2)
+    device = temb.device
+    weight = check_tensor("weight", weight, dtypes=(torch.bfloat16,), ndim=2, device=device)
+    t, e = temb.shape
+    if t < 1 or e < 1:
+        raise ValueError(f"temb must have at least one row and one column, got shape {tuple(temb.shape)}")
+    n = weight.shape[0]
+    if n == 0 or n % outputs_per_h:
+        raise ValueError(f"weight must have {outputs_per_h}*H rows (H >= 1), got {n}")
+    check_tensor("weight", weight, shape=(n, e))
+    check_tensor("bias", bias, dtypes=(torch.bfloat16,), shape=(n,), device=device)
+    for name, x in (("temb", temb), ("weight", weight), ("bias", bias)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return t, e, n // outputs_per_h
+
+
+def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The AdaLN modulation table of one block.
+
+    Args:
+        temb: ``(T, E)`` float32 timestep embeddings (one row per distinct timestep).
+        weight: ``(18H, E)`` bfloat16 ``adaln_proj.linear.weight``.
+        bias: ``(18H,)`` bfloat16 ``adaln_proj.linear.bias``.
+
+    Returns:
+        ``(3T, 6H)`` float32 holding the BF16 projection output exactly:
+        ``bf16(bf16(silu(temb)) @ weight^T + bias)`` viewed as ``(T, 18H) -> (3T, 6H)``; row
+        ``ti*3 + tag``, columns ``c*H:(c+1)*H`` for chunk ``c`` of (shift_msa, scale_msa, gate_msa,
+        shift_mlp, scale_mlp, gate_mlp).
+
+    Guarantees: SiLU in FP32 before the one BF16 cast; FP32 accumulation over E in a fixed order,
+    so each row is a pure function of its temb row (independent of T); differentiable as one node
+    whose FP32 table gradient is never rounded before ``dW`` (BF16, T rows summed in ascending
+    order), ``db`` (likewise) and ``d_temb`` (FP32, N reduced in fixed chunks folded ascending).
+    """
+    t, _, _ = check_projection(temb, weight, bias, 18)
+    if backend_for("adaln_table", temb, weight, bias) == "triton":
+        from flowlock.ops.adaln.triton import AdalnTableFunction
+
+        return AdalnTableFunction.apply(temb, weight, bias).view(3 * t, -1)
+    from flowlock.ops.adaln.reference import adaln_table_reference
+
+    return adaln_table_reference(temb, weight, bias)
+
+
+def adaln_modulation(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                     timestep_indices: torch.Tensor, token_tags: torch.Tensor, *,
+                     check_indices: bool = True) -> tuple[torch.Tensor, ...]:
+    """Per-row AdaLN modulation of one block: projection and row gather as one autograd node.
+
+    Args:
+        temb, weight, bias: as :func:`adaln_table` (temb ``(T, E)`` fp32; weight ``(18H, E)`` and
+            bias ``(18H,)`` bf16).
+        timestep_indices: ``(S,)`` int32/int64 in ``[0, T)``.
+        token_tags: ``(S,)`` int32/int64 modality tags in ``{0, 1, 2}`` (video, text, audio).
+        check_indices: range-check the indices (a host readback); pass ``False`` only for indices
+            already validated.
+
+    Returns:
+        Six ``(S, H)`` bfloat16 tensors ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
+        gate_mlp)``, row ``s`` taken from table row ``timestep_indices[s]*3 + token_tags[s]``.
+
+    Guarantees: forward bitwise equal to diffusers' ``adaln_proj(temb)`` chunks gathered with
+    ``index_select(0, adaln_indices)`` given the same table; rows pure. Backward: the six
+    gradients are summed per table row by a deterministic segmented sum in FP32 and passed, FP32,
+    straight into the projection backward (no BF16 table gradient, no scatter-add).
+    """
+    t, _, _ = check_projection(temb, weight, bias, 18)
+    device = temb.device
+    check_index("timestep_indices", timestep_indices, length=None, upper=t, device=device,
+                check_range=check_indices)
+    check_index("token_tags", token_tags, length=timestep_indices.shape[0], upper=3, device=device,
+                check_range=check_indices)
+    for name, x in (("timestep_indices", timestep_indices), ("token_tags", token_tags)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if backend_for("adaln_modulation", temb, weight, bias, timestep_indices, token_tags) == "triton":
+        from flowlock.ops.adaln.triton import AdalnModulationFunction
+
+        return AdalnModulationFunction.apply(temb, weight, bias, timestep_indices, token_tags)
+    from flowlock.ops.adaln.reference import adaln_modulation_reference
+
+    return adaln_modulation_reference(temb, weight, bias, timestep_indices, token_tags)

@@ -1,0 +1,76 @@
+"""PyTorch spec and FP64 goldens of ``adaln_table`` and ``adaln_modulation``.
+
+Rounding points (where the model stores a value in BF16): the activation ``bf16(silu(temb))``
+(SiLU in FP32 or wider, never after a cast) and the projection output ``bf16(act @ W^T + b)``.
+Both are straight-through in the backward, so the table gradient stays at the compute precision
+(FP32 in the spec, FP64 in the golden) until it reaches ``dW``/``db``, which are rounded once to
+the parameters' BF16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flowlock.ops._rounding import st_round
+
+
+def _projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                compute: torch.dtype) -> torch.Tensor:
+    act = st_round(F.silu(temb.to(compute)), torch.bfloat16)
+    return st_round(F.linear(act, weight.to(compute), bias.to(compute)), torch.bfloat16)
+
+
+def adaln_projection_reference(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``(T, N)`` FP32 holding ``bf16(bf16(silu(temb)) @ weight^T + bias)``; differentiable."""
+    return _projection(temb, weight, bias, torch.float32)
+
+
+def adaln_projection_golden(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """FP64 golden of :func:`adaln_projection_reference` (same rounding points, straight-through)."""
+    return _projection(temb, weight, bias, torch.float64)
+
+
+def adaln_table_reference(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``(3T, 6H)`` FP32 table from temb (T, E) fp32, weight (18H, E) bf16, bias (18H,) bf16."""
+    return adaln_projection_reference(temb, weight, bias).view(3 * temb.shape[0], -1)
+
+
+def adaln_table_golden(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """FP64 golden of :func:`adaln_table_reference`."""
+    return adaln_projection_golden(temb, weight, bias).view(3 * temb.shape[0], -1)
+
+
+class _RowGather(torch.autograd.Function):
+    """``table[rows]`` whose backward is the deterministic segmented sum, not a scatter-add."""
+
+    @staticmethod
+    def forward(ctx, table, rows):
+        ctx.save_for_backward(rows)
+        ctx.num_rows = table.shape[0]
+        return table[rows]
+
+    @staticmethod
+    def backward(ctx, grad):
+        from flowlock.ops.segment_sum.reference import segment_sum_reference
+
+        (rows,) = ctx.saved_tensors
+        return segment_sum_reference(grad, rows, ctx.num_rows).to(grad.dtype), None
+
+
+def adaln_modulation_reference(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                               timestep_indices: torch.Tensor, token_tags: torch.Tensor
+                               ) -> tuple[torch.Tensor, ...]:
+    """Six ``(S, H)`` BF16 tensors: rows ``ti*3+tag`` of the table's six column chunks."""
+    table = adaln_table_reference(temb, weight, bias)
+    rows = timestep_indices.long() * 3 + token_tags.long()
+    return tuple(c.to(torch.bfloat16) for c in _RowGather.apply(table, rows).chunk(6, dim=-1))
+
+
+def adaln_modulation_golden(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                            timestep_indices: torch.Tensor, token_tags: torch.Tensor
+                            ) -> tuple[torch.Tensor, ...]:
+    """FP64 golden: six ``(S, H)`` FP64 tensors holding the BF16 values of the model."""
+    table = adaln_table_golden(temb, weight, bias)
+    rows = timestep_indices.long() * 3 + token_tags.long()
+    return tuple(table[rows].chunk(6, dim=-1))

@@ -1,0 +1,242 @@
+"""Triton kernels, launchers and autograd nodes of the AdaLN projection and row gather.
+
+The projection ``y = bf16(bf16(silu(temb)) @ W^T + b)`` is the shared core of ``adaln_table`` (18H
+outputs) and ``final_adaln_out`` (2H outputs). Its forward streams the weight once for up to 16 T
+rows; every output element is accumulated in FP32 over K in the same ascending tile order whatever
+T is, so a row's bits never depend on the other rows. The backward never rounds the FP32 table
+gradient: ``d_act`` reduces over N through fixed ``CHUNK_N`` partials folded in ascending order,
+and ``dW``/``db`` sum the T rows in ascending order before one BF16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flowlock.config import launch_config
+from flowlock.dispatch import interpreter_active
+from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum.triton import segment_sum_fwd
+
+
+@triton.jit
+def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
+                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            UPCAST: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_t = offs_t < T
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, E, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        mask_k = offs_k < E
+        a = tl.load(act_ptr + offs_t[:, None] * E + offs_k[None, :],
+                    mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * E + offs_k[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            acc += tl.dot(to_f32(a), to_f32(w), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    bias = to_f32(tl.load(b_ptr + offs_n, mask=mask_n, other=0.0))
+    # One BF16 rounding after the bias, as nn.Linear's BF16 output; stored widened to FP32.
+    y = round_f32(acc + bias[None, :], tl.bfloat16)
+    tl.store(out_ptr + offs_t[:, None] * N + offs_n[None, :], y, mask=mask_t[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
+                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            CHUNK_N: tl.constexpr):
+    # Partial d_act over one fixed CHUNK_N slice of the N reduction: part[c, t, k].
+    pid_c = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    mask_t = offs_t < T
+    mask_k = offs_k < E
+    acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for n0 in range(0, CHUNK_N, BLOCK_N):
+        offs_n = pid_c * CHUNK_N + n0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        mask_n = offs_n < N
+        g = tl.load(g_ptr + offs_t[:, None] * N + offs_n[None, :],
+                    mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * E + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.dot(g, to_f32(w), input_precision="ieee")
+    base = pid_c.to(tl.int64) * T * E
+    tl.store(part_ptr + base + offs_t[:, None] * E + offs_k[None, :], acc,
+             mask=mask_t[:, None] & mask_k[None, :])
+
+
+@triton.jit
+def _adaln_table_bwd_fold_kernel(part_ptr, temb_ptr, d_temb_ptr, TE, NUM_CHUNKS, BLOCK: tl.constexpr):
+    # Fold the chunk partials in ascending order, then the FP32 SiLU VJP (the BF16 cast is
+    # straight-through: its VJP is the identity, so d_act stays FP32).
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = offs < TE
+    d_act = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, NUM_CHUNKS):
+        d_act += tl.load(part_ptr + c * TE + offs, mask=mask, other=0.0)
+    x = tl.load(temb_ptr + offs, mask=mask, other=0.0)
+    sig = 1.0 / (1.0 + tl.exp(-x))
+    tl.store(d_temb_ptr + offs, d_act * (sig * (1.0 + x * (1.0 - sig))), mask=mask)
+
+
+@triton.jit
+def _adaln_table_bwd_weight_kernel(g_ptr, act_ptr, dw_ptr, db_ptr, T, N, E,
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    mask_n = offs_n < N
+    mask_k = offs_k < E
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # T rows summed one at a time in ascending order: the fold order is fixed by T alone.
+    for t in range(0, T):
+        g = tl.load(g_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+        a = to_f32(tl.load(act_ptr + t * E + offs_k, mask=mask_k, other=0.0))
+        acc += g[:, None] * a[None, :]
+        acc_b += g
+    tl.store(dw_ptr + offs_n[:, None] * E + offs_k[None, :], from_f32(round_f32(acc, tl.bfloat16), tl.bfloat16),
+             mask=mask_n[:, None] & mask_k[None, :])
+    tl.store(db_ptr + offs_n, from_f32(round_f32(acc_b, tl.bfloat16), tl.bfloat16), mask=mask_n & (pid_k == 0))
+
+
+@triton.jit
+def _adaln_modulation_fwd_kernel(table_ptr, ti_ptr, tag_ptr, out_ptr, S, H, ROW_STRIDE, COL0,
+                                 BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_s = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    mask_s = offs_s < S
+    mask = mask_s[:, None] & (offs_h[None, :] < H)
+    ti = tl.load(ti_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+    tag = tl.load(tag_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+    rows = ti * 3 + tag
+    vals = tl.load(table_ptr + rows[:, None] * ROW_STRIDE + COL0 + offs_h[None, :], mask=mask, other=0.0)
+    # The table holds BF16 values, so narrowing is exact.
+    tl.store(out_ptr + offs_s[:, None] * H + offs_h[None, :], from_f32(vals, tl.bfloat16), mask=mask)
+
+
+def silu_act(temb: torch.Tensor) -> torch.Tensor:
+    """``bf16(silu(temb))``: the activation diffusers computes, with the same PyTorch op.
+
+    SiLU runs in FP32 (casting first changes ~52% of outputs) and is left to PyTorch's own kernel
+    so the BF16 activation is bitwise the one the provider feeds its projection; a Triton ``exp``
+    differs from it in the last FP32 bits and would occasionally flip a BF16 rounding.
+    """
+    return torch.nn.functional.silu(temb).to(torch.bfloat16)
+
+
+def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``(T, N)`` FP32 holding ``bf16(act @ weight^T + bias)``; act (T, E) bf16, weight (N, E) bf16."""
+    t, e = act.shape
+    n = weight.shape[0]
+    cfg = launch_config("adaln_proj_fwd", weight.dtype, arch_of(weight))
+    out = torch.empty((t, n), dtype=torch.float32, device=act.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(t, cfg["BLOCK_T"]))
+    _adaln_table_fwd_kernel[grid](act, weight, bias, out, t, n, e,
+                                  BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                  UPCAST=interpreter_active(), num_warps=cfg.num_warps,
+                                  num_stages=cfg.num_stages)
+    return out
+
+
+def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """VJP of the projection: grad (T, N) FP32 -> (d_temb (T, E) fp32, dW (N, E) bf16, db (N,) bf16)."""
+    grad = grad.contiguous()
+    t, e = act.shape
+    n = weight.shape[0]
+    cfg = launch_config("adaln_proj_bwd_act", weight.dtype, arch_of(weight))
+    chunks = triton.cdiv(n, cfg["CHUNK_N"])
+    partials = torch.empty((chunks, t, e), dtype=torch.float32, device=grad.device)
+    grid = (chunks, triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(e, cfg["BLOCK_K"]))
+    _adaln_table_bwd_kernel[grid](grad, weight, partials, t, n, e,
+                                  BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                  CHUNK_N=cfg["CHUNK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    d_temb = torch.empty((t, e), dtype=torch.float32, device=grad.device)
+    fold_block = 256
+    _adaln_table_bwd_fold_kernel[(triton.cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
+                                                                     BLOCK=fold_block)
+    wcfg = launch_config("adaln_proj_bwd_weight", weight.dtype, arch_of(weight))
+    d_weight = torch.empty((n, e), dtype=torch.bfloat16, device=grad.device)
+    d_bias = torch.empty((n,), dtype=torch.bfloat16, device=grad.device)
+    wgrid = (triton.cdiv(n, wcfg["BLOCK_N"]), triton.cdiv(e, wcfg["BLOCK_K"]))
+    _adaln_table_bwd_weight_kernel[wgrid](grad, act, d_weight, d_bias, t, n, e,
+                                          BLOCK_N=wcfg["BLOCK_N"], BLOCK_K=wcfg["BLOCK_K"],
+                                          num_warps=wcfg.num_warps, num_stages=wcfg.num_stages)
+    return d_temb, d_weight, d_bias
+
+
+def adaln_modulation_fwd(table: torch.Tensor, timestep_indices: torch.Tensor,
+                         token_tags: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Six ``(S, H)`` BF16 tensors ``table[ti*3+tag, c*H:(c+1)*H]`` from the ``(3T, 6H)`` FP32 table."""
+    s = timestep_indices.shape[0]
+    h = table.shape[1] // 6
+    cfg = launch_config("adaln_gather", table.dtype, arch_of(table))
+    grid = (triton.cdiv(s, cfg["BLOCK_S"]), triton.cdiv(h, cfg["BLOCK_H"]))
+    outs = []
+    for c in range(6):
+        out = torch.empty((s, h), dtype=torch.bfloat16, device=table.device)
+        _adaln_modulation_fwd_kernel[grid](table, timestep_indices, token_tags, out, s, h, table.stride(0), c * h,
+                                           BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"],
+                                           num_warps=cfg.num_warps)
+        outs.append(out)
+    return tuple(outs)
+
+
+def adaln_modulation_bwd(grads: tuple[torch.Tensor | None, ...], rows: torch.Tensor, num_rows: int,
+                         h: int) -> torch.Tensor:
+    """Six ``(S, H)`` gradients -> the ``(3T, 6H)`` FP32 table gradient by a deterministic segmented sum."""
+    s = rows.shape[0]
+    ref = next(g for g in grads if g is not None)
+    parts = [g if g is not None else torch.zeros((s, h), dtype=ref.dtype, device=ref.device) for g in grads]
+    return segment_sum_fwd(torch.cat(parts, dim=1), rows, num_rows)
+
+
+class AdalnTableFunction(torch.autograd.Function):
+    """One node: temb (T, E) fp32, weight (N, E) bf16, bias (N,) bf16 -> (T, N) fp32 table."""
+
+    @staticmethod
+    def forward(ctx, temb, weight, bias):
+        act = silu_act(temb)
+        ctx.save_for_backward(temb, act, weight)
+        return adaln_table_fwd(act, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        temb, act, weight = ctx.saved_tensors
+        return adaln_table_bwd(grad, temb, act, weight)
+
+
+class AdalnModulationFunction(torch.autograd.Function):
+    """One node: projection plus per-row gather; the FP32 table gradient never leaves the node."""
+
+    @staticmethod
+    def forward(ctx, temb, weight, bias, timestep_indices, token_tags):
+        act = silu_act(temb)
+        t = temb.shape[0]
+        table = adaln_table_fwd(act, weight, bias).view(3 * t, -1)
+        ctx.save_for_backward(temb, act, weight, timestep_indices, token_tags)
+        return adaln_modulation_fwd(table, timestep_indices, token_tags)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        temb, act, weight, timestep_indices, token_tags = ctx.saved_tensors
+        t = temb.shape[0]
+        h = weight.shape[0] // 18
+        if all(g is None for g in grads):
+            return None, None, None, None, None
+        rows = timestep_indices.long() * 3 + token_tags.long()
+        d_table = adaln_modulation_bwd(grads, rows, 3 * t, h)
+        d_temb, d_weight, d_bias = adaln_table_bwd(d_table.view(t, 18 * h), temb, act, weight)
+        return d_temb, d_weight, d_bias, None, None
