@@ -1,0 +1,30 @@
+"""Public ``swiglu``: validation, then dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from flowlock.dispatch import backend_for
+from flowlock.ops._validate import check_tensor
+from flowlock.ops.swiglu.reference import swiglu_reference
+from flowlock.ops.swiglu.triton import SwigluFunction
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """diffusers' SwiGLU activation: ``h[..., :F] * silu(h[..., F:])`` (value first, gate second).
+
+    Args:
+        h: ``(..., 2F)`` bfloat16, contiguous, ``F >= 1``: the output of ``ff.net.0.proj``.
+
+    Returns ``(..., F)`` bfloat16, bitwise equal to diffusers' eager expression on the GPU (SiLU in
+    float32 stored as BF16, then the BF16 product). Elementwise: batch-invariant and repeatable.
+    The gradient to ``h`` is computed in float32 and rounded once per element.
+    """
+    check_tensor("h", h, dtypes=(torch.bfloat16,))
+    if h.ndim < 1 or h.shape[-1] == 0 or h.shape[-1] % 2:
+        raise ValueError(f"h must have an even, non-zero last dimension, got shape {tuple(h.shape)}")
+    if not h.is_contiguous():
+        raise ValueError("h must be contiguous")
+    if backend_for("swiglu", h) == "triton":
+        return SwigluFunction.apply(h)
+    return swiglu_reference(h)

@@ -1,0 +1,100 @@
+"""Triton kernels for ``swiglu``: elementwise forward and backward over rows of ``2F`` channels.
+
+Forward reproduces eager BF16 exactly: SiLU as ``g / (1 + exp(-g))`` in float32 with CUDA's precise
+``expf`` and an IEEE division (what torch's CUDA kernel evaluates), rounded to BF16, then the BF16
+product. The interpreter has no libdevice and uses numpy's exp. Backward stays in float32 and rounds
+each gradient once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from flowlock.config import launch_config
+from flowlock.dispatch import interpreter_active
+from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._triton_utils import arch_of
+
+
+@triton.jit
+def _sigmoid_parts(gate, INTERPRET: tl.constexpr):
+    """``(1 + exp(-gate))`` with the precise exp on the GPU."""
+    if INTERPRET:
+        e = tl.exp(-gate)
+    else:
+        e = libdevice.exp(-gate)
+    return 1.0 + e
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, out_ptr, F, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    src = h_ptr + row * (2 * F)
+    value = to_f32(tl.load(src + cols, mask=mask, other=0.0))
+    gate = to_f32(tl.load(src + F + cols, mask=mask, other=0.0))
+    act = round_f32(tl.math.div_rn(gate, _sigmoid_parts(gate, INTERPRET)), tl.bfloat16)
+    out = round_f32(value * act, tl.bfloat16)
+    tl.store(out_ptr + row * F + cols, from_f32(out, tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, g_ptr, dh_ptr, F, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    src = h_ptr + row * (2 * F)
+    value = to_f32(tl.load(src + cols, mask=mask, other=0.0))
+    gate = to_f32(tl.load(src + F + cols, mask=mask, other=0.0))
+    grad = to_f32(tl.load(g_ptr + row * F + cols, mask=mask, other=0.0))
+    parts = _sigmoid_parts(gate, INTERPRET)
+    act = round_f32(tl.math.div_rn(gate, parts), tl.bfloat16)
+    sig = tl.math.div_rn(1.0, parts)
+    d_value = grad * act
+    d_gate = (grad * value) * (sig * (1.0 + gate * (1.0 - sig)))
+    dst = dh_ptr + row * (2 * F)
+    tl.store(dst + cols, from_f32(round_f32(d_value, tl.bfloat16), tl.bfloat16), mask=mask)
+    tl.store(dst + F + cols, from_f32(round_f32(d_gate, tl.bfloat16), tl.bfloat16), mask=mask)
+
+
+def _launch(kernel, h, *tensors):
+    f = h.shape[-1] // 2
+    rows = h.numel() // h.shape[-1]
+    cfg = launch_config("swiglu", h.dtype, arch_of(h))
+    if rows and f:
+        kernel[(rows, triton.cdiv(f, cfg["BLOCK"]))](h, *tensors, f, BLOCK=cfg["BLOCK"],
+                                                     INTERPRET=interpreter_active(), num_warps=cfg.num_warps,
+                                                     num_stages=cfg.num_stages, enable_reflect_ftz=False)
+
+
+def swiglu_fwd(h: torch.Tensor) -> torch.Tensor:
+    """Trusted launcher: contiguous ``(..., 2F)`` bf16 -> ``(..., F)`` bf16."""
+    out = torch.empty(h.shape[:-1] + (h.shape[-1] // 2,), dtype=h.dtype, device=h.device)
+    _launch(_swiglu_fwd_kernel, h, out)
+    return out
+
+
+def swiglu_bwd(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Trusted launcher: gradient ``(..., 2F)`` to ``h`` = ``[grad·silu(gate), grad·value·silu'(gate)]``."""
+    grad = grad.contiguous()
+    dh = torch.empty_like(h)
+    _launch(_swiglu_bwd_kernel, h, grad, dh)
+    return dh
+
+
+class SwigluFunction(torch.autograd.Function):
+    """Autograd boundary of ``swiglu``."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return swiglu_fwd(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        return swiglu_bwd(h, grad)
