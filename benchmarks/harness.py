@@ -1,0 +1,163 @@
+"""Shared benchmark machinery: environment record, paired timing, the CPU test gate, JSON output.
+
+Scripts in ``benchmarks/`` are run as ``python benchmarks/<name>.py``; Python puts the script's
+directory on ``sys.path``, so they ``import harness`` directly (``benchmarks`` is not a package).
+
+Timing method (DESIGN §8): the two functions under comparison are timed in the same process,
+alternating which one runs first on every iteration, each call bracketed by CUDA events (a
+``perf_counter`` pair on CPU, for smoke runs only), with setup (graph construction, fresh inputs)
+outside the timed region; the report is the median and the 20th/80th percentiles of >= 20 timed
+calls after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+MIN_ITERS = 20
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    """Where and with what a result was measured."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    env = {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "diffusers": _version("diffusers"),
+        "python": sys.version.split()[0],
+    }
+    return env
+
+
+def _stats(samples_ms: list[float]) -> dict:
+    ordered = sorted(samples_ms)
+    q = statistics.quantiles(ordered, n=10, method="inclusive")
+    return {"median_ms": statistics.median(ordered), "p20_ms": q[1], "p80_ms": q[7], "n": len(ordered)}
+
+
+class _Timer:
+    """CUDA events on a GPU; ``perf_counter`` on CPU (smoke runs)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[object], object], state: object) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn(state)
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn(state)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def time_pair(fn_a: Callable[[object], object], fn_b: Callable[[object], object], *, device: torch.device,
+              setup_a: Callable[[], object] | None = None, setup_b: Callable[[], object] | None = None,
+              iters: int = MIN_ITERS, warmup: int = 3) -> dict:
+    """Time ``fn_a(setup_a())`` against ``fn_b(setup_b())``; only the ``fn`` calls are timed.
+
+    The order alternates every iteration (a first on even iterations, b first on odd ones) so
+    clock ramps and cache state do not favour either. Returns ``{"a": stats, "b": stats,
+    "ratio_a_over_b": median_a / median_b}`` with stats ``median_ms``, ``p20_ms``, ``p80_ms``, ``n``.
+    """
+    if iters < MIN_ITERS:
+        raise ValueError(f"iters must be >= {MIN_ITERS}, got {iters}")
+    timer = _Timer(device)
+    setup_a = setup_a or (lambda: None)
+    setup_b = setup_b or (lambda: None)
+    samples: dict[str, list[float]] = {"a": [], "b": []}
+    for it in range(warmup + iters):
+        order = (("a", fn_a, setup_a), ("b", fn_b, setup_b))
+        for key, fn, setup in (order if it % 2 == 0 else order[::-1]):
+            ms = timer(fn, setup())
+            if it >= warmup:
+                samples[key].append(ms)
+    a, b = _stats(samples["a"]), _stats(samples["b"])
+    return {"a": a, "b": b, "ratio_a_over_b": a["median_ms"] / b["median_ms"]}
+
+
+def test_gate(pytest_args: Sequence[str], *, skip: bool = False) -> dict:
+    """Run the given CPU test files under the Triton interpreter; a record for the result JSON.
+
+    ``skip`` (``--skip-gate``) is for device runs whose commit already passed the gate on CPU; the
+    record then says the gate did not run here.
+    """
+    if skip:
+        return {"ran": False, "passed": None, "args": list(pytest_args)}
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+    return {"ran": True, "passed": proc.returncode == 0, "returncode": proc.returncode,
+            "args": list(pytest_args), "seconds": round(time.perf_counter() - t0, 1), "tail": tail}
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The flags every benchmark takes: ``--out``, ``--skip-gate``, ``--iters``, ``--warmup``,
+    ``--device``, ``--smoke`` (tiny sizes, to check a script end to end on CPU)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, required=True, help="result JSON path")
+    parser.add_argument("--skip-gate", action="store_true", help="do not run the CPU test gate (record that)")
+    parser.add_argument("--iters", type=int, default=MIN_ITERS, help=f"timed iterations (>= {MIN_ITERS})")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script, measures nothing")
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args(argv)
+
+
+def gate_or_exit(args: argparse.Namespace, pytest_args: Sequence[str]) -> dict:
+    """Run the gate; print why and exit with status 2 when it fails."""
+    gate = test_gate(pytest_args, skip=args.skip_gate)
+    if gate["ran"] and not gate["passed"]:
+        print("test gate failed; refusing to benchmark:\n" + "\n".join(gate["tail"]), file=sys.stderr)
+        raise SystemExit(2)
+    return gate
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    """Write ``payload`` (indented, keys in insertion order) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path

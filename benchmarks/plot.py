@@ -1,0 +1,126 @@
+"""Turn benchmark result JSONs into PNG charts (matplotlib, Agg backend).
+
+``python benchmarks/plot.py benchmarks/results/conditioning.json [...] [--out-dir DIR]`` writes
+``<name>.png`` next to each JSON (or into ``--out-dir``). Conditioning results give a bar chart of
+speedups (diffusers time / flowlock time, forward and backward) per op and shape and a line chart
+of speedup against S; block results give strict/provider time ratios and peak memory per S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(payload: dict) -> str:
+    env = payload.get("environment", {})
+    commit = (env.get("git_commit") or "?")[:10] + ("+dirty" if env.get("git_dirty") else "")
+    where = env.get("gpu") or env.get("device", "?")
+    smoke = " [smoke: not a measurement]" if payload.get("smoke") else ""
+    return f"{payload.get('benchmark', '?')} on {where}, {commit}{smoke}"
+
+
+def plot_conditioning(payload: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = payload["results"]
+    labels = [f"{r['op']}\nS={r['S']} T={r['T']}" if r["S"] else f"{r['op']}\nT={r['T']}" for r in rows]
+    fwd = [r["forward"]["speedup"] for r in rows]
+    bwd = [r["backward"]["speedup"] for r in rows]
+    fig, (ax_bar, ax_line) = plt.subplots(2, 1, figsize=(max(10, 0.45 * len(rows)), 10))
+    xs = range(len(rows))
+    ax_bar.bar([x - 0.2 for x in xs], fwd, width=0.4, label="forward")
+    ax_bar.bar([x + 0.2 for x in xs], bwd, width=0.4, label="backward")
+    ax_bar.axhline(1.0, color="black", linewidth=0.8)
+    ax_bar.set_yscale("log")
+    ax_bar.set_xticks(list(xs), labels, rotation=90, fontsize=6)
+    ax_bar.set_ylabel("speedup (diffusers / flowlock)")
+    ax_bar.legend()
+    ax_bar.set_title(_title(payload), fontsize=9)
+    series: dict[tuple[str, int, str], list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["S"] is None:
+            continue
+        for phase in ("forward", "backward"):
+            series.setdefault((r["op"], r["T"], phase), []).append((r["S"], r[phase]["speedup"]))
+    for (op, t, phase), points in sorted(series.items()):
+        points.sort()
+        ax_line.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                     linestyle="-" if phase == "forward" else "--", label=f"{op} T={t} {phase}")
+    ax_line.axhline(1.0, color="black", linewidth=0.8)
+    ax_line.set_xscale("log")
+    ax_line.set_yscale("log")
+    ax_line.set_xlabel("S (rows)")
+    ax_line.set_ylabel("speedup (diffusers / flowlock)")
+    ax_line.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_block(payload: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = payload["results"]
+    seqs = [str(r["S"]) for r in rows]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))
+    xs = range(len(rows))
+    ax_t.bar([x - 0.2 for x in xs], [r["forward"]["strict_over_provider"] for r in rows], width=0.4,
+             label="forward")
+    ax_t.bar([x + 0.2 for x in xs], [r["forward_backward"]["strict_over_provider"] for r in rows], width=0.4,
+             label="forward+backward")
+    ax_t.axhline(1.0, color="black", linewidth=0.8)
+    ax_t.set_xticks(list(xs), seqs)
+    ax_t.set_xlabel("S (rows)")
+    ax_t.set_ylabel("time strict / provider")
+    ax_t.legend()
+    mem = [[(r["peak_memory_bytes"][m] or 0) / 2**30 for r in rows] for m in ("strict", "provider")]
+    ax_m.bar([x - 0.2 for x in xs], mem[0], width=0.4, label="strict")
+    ax_m.bar([x + 0.2 for x in xs], mem[1], width=0.4, label="provider")
+    ax_m.set_xticks(list(xs), seqs)
+    ax_m.set_xlabel("S (rows)")
+    ax_m.set_ylabel("peak memory (GiB)")
+    ax_m.legend()
+    fig.suptitle(_title(payload), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block}
+
+
+def plot(json_path: Path, out_dir: Path | None = None) -> Path:
+    """Draw one result JSON; returns the PNG path. ``ValueError`` for an unknown benchmark kind."""
+    payload = json.loads(Path(json_path).read_text())
+    kind = payload.get("benchmark")
+    if kind not in PLOTTERS:
+        raise ValueError(f"{json_path}: no plot for benchmark kind {kind!r} (known: {sorted(PLOTTERS)})")
+    out = (out_dir or Path(json_path).parent) / (Path(json_path).stem + ".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return PLOTTERS[kind](payload, out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="plot benchmark result JSONs")
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    for path in args.results:
+        print(f"wrote {plot(path, args.out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

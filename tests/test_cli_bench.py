@@ -1,0 +1,87 @@
+"""Benchmark machinery: paired timing alternates and excludes setup, the gate refuses red tests,
+JSON and plots are written."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import harness  # noqa: E402
+import plot  # noqa: E402
+
+
+def test_time_pair_alternates_order_and_excludes_setup():
+    calls = []
+
+    def setup(tag):
+        def make():
+            calls.append(f"setup_{tag}")
+            return tag
+        return make
+
+    result = harness.time_pair(lambda s: calls.append(s), lambda s: calls.append(s), device=torch.device("cpu"),
+                               setup_a=setup("a"), setup_b=setup("b"), iters=20, warmup=2)
+    runs = [c for c in calls if not c.startswith("setup")]
+    firsts = runs[0::2]
+    assert firsts == ["a", "b"] * 11
+    assert calls[:2] == ["setup_a", "a"]
+    assert result["a"]["n"] == result["b"]["n"] == 20
+    for stats in (result["a"], result["b"]):
+        assert stats["p20_ms"] <= stats["median_ms"] <= stats["p80_ms"]
+    assert result["ratio_a_over_b"] == pytest.approx(result["a"]["median_ms"] / result["b"]["median_ms"])
+
+
+def test_time_pair_needs_twenty_iterations():
+    with pytest.raises(ValueError, match="iters"):
+        harness.time_pair(lambda s: None, lambda s: None, device=torch.device("cpu"), iters=5)
+
+
+def test_gate_refuses_failing_tests(tmp_path):
+    red = tmp_path / "test_red.py"
+    red.write_text("def test_red():\n    assert False\n")
+    green = tmp_path / "test_green.py"
+    green.write_text("import os\n\ndef test_green():\n    assert os.environ['TRITON_INTERPRET'] == '1'\n")
+    assert harness.test_gate([str(green)])["passed"] is True
+    record = harness.test_gate([str(red)])
+    assert record["ran"] and record["passed"] is False
+    args = harness.parse_args("x", ["--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit) as exc:
+        harness.gate_or_exit(args, [str(red)])
+    assert exc.value.code == 2
+    skipped = harness.parse_args("x", ["--out", "o.json", "--skip-gate"])
+    assert harness.gate_or_exit(skipped, [str(red)]) == {"ran": False, "passed": None, "args": [str(red)]}
+
+
+def test_environment_and_json(tmp_path):
+    env = harness.environment(torch.device("cpu"))
+    assert env["torch"] == torch.__version__ and env["gpu"] is None
+    assert set(env) >= {"git_commit", "git_dirty", "date_utc", "cuda", "triton", "diffusers"}
+    path = harness.write_json(tmp_path / "sub" / "r.json", {"environment": env, "x": 1})
+    assert json.loads(path.read_text())["x"] == 1
+
+
+def _stats(ms):
+    return {"median_ms": ms, "p20_ms": ms * 0.9, "p80_ms": ms * 1.1, "n": 20}
+
+
+def test_plots_are_written(tmp_path):
+    cond = {"benchmark": "conditioning", "smoke": True, "environment": {"device": "cpu"}, "results": [
+        {"op": "timestep_mlp", "S": None, "T": 1, "forward": {"speedup": 1.5}, "backward": {"speedup": 0.8}},
+        {"op": "gate_residual", "S": 33, "T": 1, "forward": {"speedup": 2.0}, "backward": {"speedup": 1.2}},
+        {"op": "gate_residual", "S": 65, "T": 1, "forward": {"speedup": 2.5}, "backward": {"speedup": 1.1}},
+    ]}
+    block = {"benchmark": "block", "environment": {"gpu": "H200", "git_commit": "abc"}, "results": [
+        {"S": s, "forward": {"strict_over_provider": 0.9}, "forward_backward": {"strict_over_provider": 1.1},
+         "peak_memory_bytes": {"strict": 2**30, "provider": None}} for s in (40, 64)]}
+    for name, payload in (("cond", cond), ("block", block)):
+        src = harness.write_json(tmp_path / f"{name}.json", payload)
+        png = plot.plot(src)
+        assert png == tmp_path / f"{name}.png" and png.read_bytes()[:4] == b"\x89PNG"
+    unknown = harness.write_json(tmp_path / "u.json", {"benchmark": "nope", "results": []})
+    with pytest.raises(ValueError, match="no plot"):
+        plot.plot(unknown)
