@@ -1,5 +1,7 @@
 """fixed_order_mean: accurate, batch-invariant, repeatable and differentiable."""
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from flowlock.testing import (
     assert_repeatable,
     assert_within_budget,
     batch_invariance_failures,
+    repeat_failures,
 )
 
 
@@ -42,6 +45,22 @@ def test_harness_catches_a_batch_dependent_split():
         return torch.stack(parts, 1).sum(1) / n
 
     assert batch_invariance_failures(planted, _rows(16, 513, seed=3))
+
+
+def test_repeat_harness_catches_a_shuffled_fold_order():
+    x = _rows(4, 2048, seed=4)
+    rng = random.Random(0)
+
+    def planted():
+        # Tile partials folded in a different order on every call, as an atomic accumulation would.
+        sums = [x[:, i:i + TILE].sum(dim=1) for i in range(0, x.shape[1], TILE)]
+        rng.shuffle(sums)
+        total = sums[0]
+        for s in sums[1:]:
+            total = total + s
+        return total / x.shape[1]
+
+    assert repeat_failures(planted, runs=10)
 
 
 def test_repeatable():
