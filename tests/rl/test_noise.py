@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +29,29 @@ KAT = [
 def test_philox_known_answers(counter, key, expected):
     out = philox4x32(tuple(torch.tensor([c]) for c in counter), key)
     assert tuple(int(w) for w in out) == expected
+
+
+@triton.jit
+def _triton_philox_kernel(out_ptr, c0_ptr, seed, c1, c2, c3, n: tl.constexpr):
+    offs = tl.arange(0, n)
+    c0 = tl.load(c0_ptr + offs)
+    zero = c0 * 0
+    w0, w1, w2, w3 = tl.philox(seed, c0, zero + c1, zero + c2, zero + c3, 10)
+    tl.store(out_ptr + offs * 4, w0)
+    tl.store(out_ptr + offs * 4 + 1, w1)
+    tl.store(out_ptr + offs * 4 + 2, w2)
+    tl.store(out_ptr + offs * 4 + 3, w3)
+
+
+def test_philox_agrees_with_triton():
+    # An independent implementation: Triton's own Philox4x32-10 (key = seed low/high words).
+    n, seed, c1, c2, c3 = 32, 0x0123456789AB, 5, 7, 2
+    c0 = torch.arange(n, dtype=torch.int32) * 977
+    out = torch.zeros(n * 4, dtype=torch.int32)
+    _triton_philox_kernel[(1,)](out, c0, seed, c1, c2, c3, n=n)
+    full = lambda v: torch.full((n,), v, dtype=torch.int64)
+    mine = philox4x32((c0.long(), full(c1), full(c2), full(c3)), (seed & 0xFFFFFFFF, seed >> 32))
+    assert torch.equal(out.long() & 0xFFFFFFFF, torch.stack(mine, 1).reshape(-1))
 
 
 def test_same_key_same_bits_and_float32():
