@@ -147,7 +147,7 @@ def _tma_dot_range(a_desc, b_desc, oi, oj, lo, hi, acc, A_T: tl.constexpr, B_T: 
 def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
                             A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
                             UNIT: tl.constexpr, FP32_DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                            EPI_SPLIT: tl.constexpr,
+                            EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
                             BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
                             GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """TMA variant: persistent programs walk the grouped tile order with stride NUM_PROGRAMS.
@@ -155,11 +155,12 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
     Descriptor blocks: A is (BLOCK_I, BLOCK_R), or (BLOCK_R, BLOCK_I) when stored transposed
     (A_T); B is (BLOCK_R, BLOCK_J), or (BLOCK_J, BLOCK_R) when B_T; C is (BLOCK_I, BLOCK_J), or
     (BLOCK_I, BLOCK_J // 2) with EPI_SPLIT, which stores the tile in two halves to halve the
-    epilogue's shared memory.
+    epilogue's shared memory. FLATTEN lets the compiler pipeline across tile boundaries; it moves
+    no arithmetic.
     """
     n_i = tl.cdiv(I, BLOCK_I)
     n_j = tl.cdiv(J, BLOCK_J)
-    for tile in tl.range(tl.program_id(0), n_i * n_j, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), n_i * n_j, NUM_PROGRAMS, flatten=FLATTEN):
         pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
         oi = pid_i * BLOCK_I
         oj = pid_j * BLOCK_J
@@ -263,7 +264,7 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
         _linear_gemm_tma_kernel[(programs,)](
             a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
             A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
-            EPI_SPLIT=epi_split,
+            EPI_SPLIT=epi_split, FLATTEN=bool(dict(cfg.blocks).get("FLATTEN", 0)),
             BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:

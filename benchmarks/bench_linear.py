@@ -1,0 +1,216 @@
+"""flowlock ``linear`` vs cuBLAS on the H3 GEMM shapes: forward, dX, dW, plus GPU invariance checks.
+
+For qkv (5376 -> 21504), out (7168 -> 5376), fc1 (5376 -> 28672) and fc2 (14336 -> 5376) at
+M in {4096, 16384, 32768}: flowlock's forward (public ``linear``), dX and dW launchers against
+``F.linear``, ``dy @ w`` and ``dy.T @ x`` (bf16, cuBLAS), timed with ``harness.time_pair``. On the
+GPU it also checks bitwise repeatability, M-invariance (row slices vs the full batch), fused qkv vs
+separate q, k, v, swapped fc1 halves, the dW token-unit fold, and accuracy against float64.
+``--sweep`` times candidate launch configs (same BLOCK_R, so the same bits) to choose the frozen ones.
+
+Run: ``PYTHONPATH=src python benchmarks/bench_linear.py --out benchmarks/results/linear.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import harness
+import torch
+import torch.nn.functional as F
+
+import flowlock
+from flowlock.config import LaunchConfig, launch_config
+from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.linear import linear
+from flowlock.ops.linear import triton as lt
+
+SHAPES = {"qkv": (21504, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336)}
+MS = (4096, 16384, 32768)
+# --smoke: the same script on tiny shapes under the Triton interpreter (TRITON_INTERPRET=1), CPU.
+SMOKE_SHAPES = {"qkv": (48, 32), "out": (32, 40), "fc1": (64, 32), "fc2": (32, 48)}
+SMOKE_MS = (40,)
+BF16 = torch.bfloat16
+
+
+def _extra(parser):
+    parser.add_argument("--quick", action="store_true", help="sweep two shapes (one per K class) only")
+    parser.add_argument("--sweep", action="store_true", help="time candidate configs at M=16384")
+    parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing new cases after this")
+
+
+def _operands(m, n, k, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, device=device, generator=g).to(BF16)
+    w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(BF16)
+    dy = torch.randn(m, n, device=device, generator=g).to(BF16)
+    return x, w, dy
+
+
+def _eq(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _checks(device, shapes, m) -> dict:
+    """Invariance, repeatability, unit fold and accuracy on the GPU."""
+    out = {}
+    x, w, dy = _operands(m, *shapes["qkv"], device)
+    third = shapes["qkv"][0] // 3
+    y = linear(x, w)
+    out["fwd_repeatable"] = all(_eq(linear(x, w), y) for _ in range(3))
+    out["fwd_row_alone_vs_batch"] = all(_eq(linear(x[r:r + 1], w), y[r:r + 1]) for r in (0, m // 3, m - 1))
+    out["fwd_slice_vs_batch"] = _eq(linear(x[m // 40:m - m // 5], w), y[m // 40:m - m // 5])
+    q, k, v = (w[i * third:(i + 1) * third].contiguous() for i in range(3))
+    out["fused_qkv_equals_separate"] = _eq(torch.cat([linear(x, p) for p in (q, k, v)], dim=1), y)
+    dx = lt.linear_dx(dy, w, BF16)
+    out["dx_repeatable"] = all(_eq(lt.linear_dx(dy, w, BF16), dx) for _ in range(3))
+    out["dx_rows_vs_batch"] = _eq(lt.linear_dx(dy[7:m // 3].contiguous(), w, BF16), dx[7:m // 3])
+    dw = lt.linear_dw(dy, x, w, torch.float32)
+    out["dw_repeatable"] = all(torch.equal(lt.linear_dw(dy, x, w, torch.float32), dw) for _ in range(3))
+    unit = launch_config("linear_dw", BF16, arch_of(w), tuple(w.shape))["UNIT"]
+    folded = torch.zeros_like(dw)
+    for s in range(0, m, unit):
+        folded = folded + lt.linear_dw(dy[s:s + unit].contiguous(), x[s:s + unit].contiguous(), w, torch.float32)
+    out["dw_equals_unit_fold"] = torch.equal(folded, dw)
+    gold = x.double() @ w.double().T
+    scale = gold.abs().max().item()
+    out["fwd_max_abs_err"] = (y.double() - gold).abs().max().item()
+    out["cublas_fwd_max_abs_err"] = (F.linear(x, w).double() - gold).abs().max().item()
+    out["fwd_golden_scale"] = scale
+    gold_dw = dy.double().T @ x.double()
+    out["dw_max_abs_err"] = (lt.linear_dw(dy, x, w, BF16).double() - gold_dw).abs().max().item()
+    out["cublas_dw_max_abs_err"] = (torch.mm(dy.T, x).double() - gold_dw).abs().max().item()
+    del gold, gold_dw
+    x1, w1, _ = _operands(m, *shapes["fc1"], device, seed=1)
+    y1 = linear(x1, w1)
+    half = shapes["fc1"][0] // 2
+    swapped = torch.cat([w1[half:], w1[:half]]).contiguous()
+    out["fc1_swapped_halves_permute"] = _eq(linear(x1, swapped), torch.cat([y1[:, half:], y1[:, :half]], 1))
+    xf = torch.randn(m, 96, device=device)
+    wf = torch.randn(shapes["fc2"][0], 96, device=device) / 96**0.5
+    gf = xf.double() @ wf.double().T
+    out["fp32_proj_in_rel_err"] = (linear(xf, wf).double() - gf).abs().max().item() / gf.abs().max().item()
+    out["all_bitwise_ok"] = all(v for key, v in out.items() if isinstance(v, bool))
+    return out
+
+
+def _time_case(shape, m, device, iters, warmup) -> dict:
+    n, k = shape
+    x, w, dy = _operands(m, n, k, device)
+    flops = 2.0 * m * n * k
+    rows = {}
+    pairs = {
+        "fwd": (lambda _: linear(x, w), lambda _: F.linear(x, w)),
+        "dx": (lambda _: lt.linear_dx(dy, w, BF16), lambda _: torch.mm(dy, w)),
+        "dw": (lambda _: lt.linear_dw(dy, x, w, BF16), lambda _: torch.mm(dy.T, x)),
+    }
+    for op, (fa, fb) in pairs.items():
+        r = harness.time_pair(fa, fb, device=device, iters=iters, warmup=warmup)
+        rows[op] = {"flowlock_ms": r["a"]["median_ms"], "cublas_ms": r["b"]["median_ms"],
+                    "flowlock_tflops": flops / r["a"]["median_ms"] / 1e9,
+                    "cublas_tflops": flops / r["b"]["median_ms"] / 1e9,
+                    "ratio_of_cublas_throughput": r["b"]["median_ms"] / r["a"]["median_ms"]}
+    return rows
+
+
+def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
+    def mk(warps, stages, **blocks):
+        merged = dict(base.blocks) | blocks
+        return dataclasses.replace(base, blocks=tuple(sorted(merged.items())), num_warps=warps, num_stages=stages)
+
+    if op == "linear_dw":
+        return [base, mk(8, 3, BLOCK_I=128, BLOCK_J=128), mk(4, 4, BLOCK_I=128, BLOCK_J=64),
+                mk(8, 4, BLOCK_I=128, BLOCK_J=128, FLATTEN=1), mk(8, 3, BLOCK_I=128, BLOCK_J=256)]
+    return [base, mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0), mk(8, 3, BLOCK_I=128, BLOCK_J=256, FLATTEN=1),
+            mk(8, 3, BLOCK_I=256, BLOCK_J=128), mk(8, 3, BLOCK_I=128, BLOCK_J=256, GROUP_I=16)]
+
+
+def _sweep(device, shapes, m, t_end) -> list[dict]:
+    results = []
+    for name, (n, k) in shapes.items():
+        x, w, dy = _operands(m, n, k, device)
+        flops = 2.0 * m * n * k
+        runners = {
+            "linear_fwd": lambda c, x=x, w=w: lt.linear_fwd(x, w, None, BF16, config=c),
+            "linear_dx": lambda c, dy=dy, w=w: lt.linear_dx(dy, w, BF16, config=c),
+            "linear_dw": lambda c, dy=dy, x=x, w=w: lt.linear_dw(dy, x, w, BF16, config=c),
+        }
+        for op, run in runners.items():
+            base = launch_config(op, BF16, arch_of(w), (n, k))
+            ref = run(base)
+            for cand in _candidates(op, base):
+                if time.perf_counter() > t_end:
+                    return results
+                row = {"shape": name, "op": op, "blocks": dict(cand.blocks), "warps": cand.num_warps,
+                       "stages": cand.num_stages}
+                try:
+                    got = run(cand)
+                    row["same_bits_as_frozen"] = _eq(got, ref)
+                    r = harness.time_pair(lambda _, c=cand, f=run: f(c), lambda _, c=base, f=run: f(c), device=device,
+                                          iters=20, warmup=2)
+                    row["tflops"] = flops / r["a"]["median_ms"] / 1e9
+                    row["frozen_tflops"] = flops / r["b"]["median_ms"] / 1e9
+                except Exception as exc:  # a candidate that fails to compile is a result, not a crash
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                results.append(row)
+                print(row, flush=True)
+    return results
+
+
+def _section(payload, key, fn, out_path):
+    """Run one part of the benchmark; a failure is recorded (and the JSON written) rather than lost."""
+    try:
+        payload[key] = fn()
+    except Exception as exc:  # keep what was measured so far when a kernel fails to compile on the GPU
+        payload.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"{key} failed: {exc}", flush=True)
+    harness.write_json(out_path, payload)
+
+
+def main(argv=None) -> None:
+    args = harness.parse_args(__doc__.splitlines()[0], argv, _extra)
+    gate = harness.gate_or_exit(args, ["tests/ops/test_linear.py"])
+    device = torch.device(args.device)
+    if args.smoke:
+        device = torch.device("cpu")
+    elif device.type != "cuda":
+        raise SystemExit("bench_linear needs a CUDA device (or --smoke under TRITON_INTERPRET=1)")
+    shapes, ms = (SMOKE_SHAPES, SMOKE_MS) if args.smoke else (SHAPES, MS)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    t_end = time.perf_counter() + args.budget_s
+    env = harness.environment(device)
+    payload = {"benchmark": "linear", "environment": env, "commit": env["git_commit"] or args.commit,
+               "gate": gate, "configs": {}, "checks": None, "cases": [], "sweep": []}
+    for op in ("linear_fwd", "linear_dx", "linear_dw"):
+        for name, shape in shapes.items():
+            c = launch_config(op, BF16, arch_of(torch.empty(0, device=device)), shape)
+            payload["configs"][f"{op}/{name}"] = {"blocks": dict(c.blocks), "warps": c.num_warps,
+                                                  "stages": c.num_stages, "note": c.note}
+    with flowlock.use_backend("triton"):
+        _section(payload, "checks", lambda: _checks(device, shapes, ms[0]), args.out)
+        print(payload["checks"], flush=True)
+
+        def cases():
+            rows = []
+            for m in ms:
+                for name, shape in shapes.items():
+                    if time.perf_counter() > t_end:
+                        payload["truncated"] = True
+                        return rows
+                    row = {"shape": name, "m": m, "n": shape[0], "k": shape[1],
+                           **_time_case(shape, m, device, args.iters, args.warmup)}
+                    rows.append(row)
+                    payload["cases"] = rows
+                    print({key: (round(v["ratio_of_cublas_throughput"], 3) if isinstance(v, dict) else v)
+                           for key, v in row.items()}, flush=True)
+            return rows
+
+        _section(payload, "cases", cases, args.out)
+        if args.sweep:
+            sweep_shapes = {k: shapes[k] for k in (("qkv", "fc2") if args.quick else shapes)}
+            _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, ms[len(ms) // 2], t_end), args.out)
+
+
+if __name__ == "__main__":
+    main()
