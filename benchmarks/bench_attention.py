@@ -178,40 +178,43 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
 
 
 def sweep(seq, heads, dim, iters) -> list[dict]:
-    from flowlock.config import _cfg
+    """Time candidate launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel; the
+    backward varies one kernel while the other keeps its frozen config."""
+    from flowlock.config import LaunchConfig
     from flowlock.ops.attention.triton import attention_bwd, attention_fwd
+
+    def cfg(bm, bn, w, s):
+        return LaunchConfig((("BLOCK_M", bm), ("BLOCK_N", bn)), num_warps=w, num_stages=s)
 
     q, k, v, do = inputs(1, seq, heads, dim, seed=seq, grad=False)
     scale = dim ** -0.5
     flops = 4.0 * seq * seq * dim * heads
-    rows = []
-    fwd_cands = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3)]
-    for bm, bn, w, s in fwd_cands:
-        cfg = _cfg(w, s, BLOCK_M=bm, BLOCK_N=bn)
-        try:
-            attention_fwd(q, k, v, scale, cfg)
-            ms = statistics.median([time_ms(lambda cfg=cfg: attention_fwd(q, k, v, scale, cfg)) for _ in range(iters)])
-            rows.append({"kernel": "fwd", "cfg": [bm, bn, w, s], "ms": ms, "tflops": flops / ms / 1e9})
-        except Exception as exc:  # a config that does not fit the SM is recorded, not fatal
-            rows.append({"kernel": "fwd", "cfg": [bm, bn, w, s], "error": repr(exc)[:200]})
     out, lse2 = attention_fwd(q, k, v, scale)
-    dkdv_cands = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
-    dq_cands = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
-    base_dq = _cfg(8, 2, BLOCK_M=128, BLOCK_N=64)
-    base_dkdv = _cfg(8, 2, BLOCK_M=64, BLOCK_N=128)
-    for kind, cands in (("dkdv", dkdv_cands), ("dq", dq_cands)):
-        for bm, bn, w, s in cands:
-            cfg = _cfg(w, s, BLOCK_M=bm, BLOCK_N=bn)
-            kw = {"dkdv_config": cfg, "dq_config": base_dq} if kind == "dkdv" else \
-                 {"dkdv_config": base_dkdv, "dq_config": cfg}
+    candidates = {
+        "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (256, 64, 8, 2), (256, 128, 8, 2),
+                (64, 128, 4, 3)],
+        "dkdv": [(64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 3),
+                 (64, 64, 4, 4)],
+        "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 8, 4), (64, 64, 4, 4),
+               (256, 64, 8, 2)],
+    }
+    calls = {
+        "fwd": lambda c: attention_fwd(q, k, v, scale, c),
+        "dkdv": lambda c: attention_bwd(do, q, k, v, out, lse2, scale, dkdv_config=c),
+        "dq": lambda c: attention_bwd(do, q, k, v, out, lse2, scale, dq_config=c),
+    }
+    rows = []
+    for kernel, cands in candidates.items():
+        work = flops if kernel == "fwd" else 2.5 * flops
+        for cand in cands:
+            config = cfg(*cand)
+            call = lambda c=config, kernel=kernel: calls[kernel](c)
             try:
-                call = lambda kw=kw: attention_bwd(do, q, k, v, out, lse2, scale, **kw)
                 call()
                 ms = statistics.median([time_ms(call) for _ in range(iters)])
-                rows.append({"kernel": f"bwd varying {kind}", "cfg": [bm, bn, w, s], "ms": ms,
-                             "tflops": 2.5 * flops / ms / 1e9})
-            except Exception as exc:  # as above
-                rows.append({"kernel": f"bwd varying {kind}", "cfg": [bm, bn, w, s], "error": repr(exc)[:200]})
+                rows.append({"kernel": kernel, "cfg": list(cand), "ms": ms, "tflops": work / ms / 1e9})
+            except Exception as exc:  # a config that does not fit the SM is recorded, not fatal
+                rows.append({"kernel": kernel, "cfg": list(cand), "error": repr(exc)[:200]})
     return rows
 
 
