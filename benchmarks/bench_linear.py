@@ -35,6 +35,7 @@ BF16 = torch.bfloat16
 
 def _extra(parser):
     parser.add_argument("--quick", action="store_true", help="sweep two shapes (one per K class) only")
+    parser.add_argument("--sweep-only", nargs="*", default=None, help="sweep just these shapes")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs at M=16384")
     parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing new cases after this")
@@ -55,6 +56,15 @@ def _eq(a, b) -> bool:
 def _checks(device, shapes, m) -> dict:
     """Invariance, repeatability, unit fold and accuracy on the GPU."""
     out = {}
+    try:
+        _check_groups(out, device, shapes, m)
+    except Exception as exc:  # keep the checks that ran
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    out["all_bitwise_ok"] = "error" not in out and all(v for v in out.values() if isinstance(v, bool))
+    return out
+
+
+def _check_groups(out, device, shapes, m) -> None:
     x, w, dy = _operands(m, *shapes["qkv"], device)
     third = shapes["qkv"][0] // 3
     y = linear(x, w)
@@ -91,8 +101,6 @@ def _checks(device, shapes, m) -> dict:
     wf = torch.randn(shapes["fc2"][0], 96, device=device) / 96**0.5
     gf = xf.double() @ wf.double().T
     out["fp32_proj_in_rel_err"] = (linear(xf, wf).double() - gf).abs().max().item() / gf.abs().max().item()
-    out["all_bitwise_ok"] = all(v for key, v in out.items() if isinstance(v, bool))
-    return out
 
 
 def _time_case(shape, m, device, iters, warmup) -> dict:
@@ -115,46 +123,58 @@ def _time_case(shape, m, device, iters, warmup) -> dict:
 
 
 def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
+    """The frozen config first, then variants with the same BLOCK_R and UNIT (so the same bits)."""
     def mk(warps, stages, **blocks):
         merged = dict(base.blocks) | blocks
         return dataclasses.replace(base, blocks=tuple(sorted(merged.items())), num_warps=warps, num_stages=stages)
 
     if op == "linear_dw":
-        return [base, mk(8, 3, BLOCK_I=128, BLOCK_J=128), mk(4, 4, BLOCK_I=128, BLOCK_J=64),
-                mk(8, 4, BLOCK_I=128, BLOCK_J=128, FLATTEN=1), mk(8, 3, BLOCK_I=128, BLOCK_J=256)]
-    return [base, mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0), mk(8, 3, BLOCK_I=128, BLOCK_J=256, FLATTEN=1),
-            mk(8, 3, BLOCK_I=256, BLOCK_J=128), mk(8, 3, BLOCK_I=128, BLOCK_J=256, GROUP_I=16)]
+        return [base, mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1),
+                mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1, FLATTEN=1),
+                mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=0, FLAT_UNITS=0, FLATTEN=0),
+                mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLAT_UNITS=1, FLATTEN=1)]
+    return [base, mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
+            mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=0),
+            mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1),
+            mk(8, 3, BLOCK_I=256, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1)]
 
 
-def _sweep(device, shapes, m, t_end) -> list[dict]:
+def _sweep(device, shapes, ms, t_end) -> list[dict]:
+    """Each candidate config against cuBLAS, per shape and M."""
     results = []
-    for name, (n, k) in shapes.items():
-        x, w, dy = _operands(m, n, k, device)
-        flops = 2.0 * m * n * k
-        runners = {
-            "linear_fwd": lambda c, x=x, w=w: lt.linear_fwd(x, w, None, BF16, config=c),
-            "linear_dx": lambda c, dy=dy, w=w: lt.linear_dx(dy, w, BF16, config=c),
-            "linear_dw": lambda c, dy=dy, x=x, w=w: lt.linear_dw(dy, x, w, BF16, config=c),
-        }
-        for op, run in runners.items():
-            base = launch_config(op, BF16, arch_of(w), (n, k))
-            ref = run(base)
-            for cand in _candidates(op, base):
-                if time.perf_counter() > t_end:
-                    return results
-                row = {"shape": name, "op": op, "blocks": dict(cand.blocks), "warps": cand.num_warps,
-                       "stages": cand.num_stages}
-                try:
-                    got = run(cand)
-                    row["same_bits_as_frozen"] = _eq(got, ref)
-                    r = harness.time_pair(lambda _, c=cand, f=run: f(c), lambda _, c=base, f=run: f(c), device=device,
-                                          iters=20, warmup=2)
-                    row["tflops"] = flops / r["a"]["median_ms"] / 1e9
-                    row["frozen_tflops"] = flops / r["b"]["median_ms"] / 1e9
-                except Exception as exc:  # a candidate that fails to compile is a result, not a crash
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                results.append(row)
-                print(row, flush=True)
+    for m in ms:
+        for name, (n, k) in shapes.items():
+            x, w, dy = _operands(m, n, k, device)
+            flops = 2.0 * m * n * k
+            runners = {
+                "linear_fwd": (lambda c, x=x, w=w: lt.linear_fwd(x, w, None, BF16, config=c),
+                               lambda _, x=x, w=w: F.linear(x, w)),
+                "linear_dx": (lambda c, dy=dy, w=w: lt.linear_dx(dy, w, BF16, config=c),
+                              lambda _, dy=dy, w=w: torch.mm(dy, w)),
+                "linear_dw": (lambda c, dy=dy, x=x, w=w: lt.linear_dw(dy, x, w, BF16, config=c),
+                              lambda _, dy=dy, x=x: torch.mm(dy.T, x)),
+            }
+            for op, (run, cublas) in runners.items():
+                base = launch_config(op, BF16, arch_of(w), (n, k))
+                ref = None
+                for idx, cand in enumerate(_candidates(op, base)):
+                    if time.perf_counter() > t_end:
+                        return results
+                    row = {"shape": name, "m": m, "op": op, "candidate": idx, "blocks": dict(cand.blocks),
+                           "warps": cand.num_warps, "stages": cand.num_stages}
+                    try:
+                        got = run(cand)
+                        ref = got if ref is None else ref
+                        row["same_bits_as_first"] = _eq(got, ref)
+                        r = harness.time_pair(lambda _, c=cand, f=run: f(c), cublas, device=device, iters=20,
+                                              warmup=2)
+                        row["tflops"] = flops / r["a"]["median_ms"] / 1e9
+                        row["ratio_of_cublas_throughput"] = r["b"]["median_ms"] / r["a"]["median_ms"]
+                    except Exception as exc:  # a candidate that fails to compile is a result, not a crash
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    results.append(row)
+                    print(name, m, op, idx, row.get("ratio_of_cublas_throughput"), row.get("same_bits_as_first"),
+                          row.get("error", ""), flush=True)
     return results
 
 
@@ -208,8 +228,9 @@ def main(argv=None) -> None:
 
         _section(payload, "cases", cases, args.out)
         if args.sweep:
-            sweep_shapes = {k: shapes[k] for k in (("qkv", "fc2") if args.quick else shapes)}
-            _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, ms[len(ms) // 2], t_end), args.out)
+            names = args.sweep_only or (("qkv", "fc2") if args.quick else tuple(shapes))
+            sweep_shapes = {k: shapes[k] for k in names}
+            _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, ms, t_end), args.out)
 
 
 if __name__ == "__main__":

@@ -113,11 +113,11 @@ for _dt in ("bf16", "fp32"):
     register("linear_dbias", _dt, "any", _cfg(4, BLOCK_N=16, BLOCK_R=8, UNIT=16, note=_LINEAR_ANY))
 _LINEAR_SM90 = "first guess from Hopper TMA GEMM practice; not yet measured"
 register("linear_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                            EPI_SPLIT=1, note=_LINEAR_SM90))
+                                            EPI_SPLIT=1, FLATTEN=1, note=_LINEAR_SM90))
 register("linear_dx", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                           EPI_SPLIT=1, note=_LINEAR_SM90))
-register("linear_dw", "bf16", "sm90", _cfg(8, 4, BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
-                                           EPI_SPLIT=0, note=_LINEAR_SM90 + "; UNIT = dW token unit"))
+                                           EPI_SPLIT=1, FLATTEN=1, note=_LINEAR_SM90))
+register("linear_dw", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
+                                           EPI_SPLIT=1, FLAT_UNITS=1, note=_LINEAR_SM90 + "; UNIT = dW token unit"))
 register("linear_dbias", "bf16", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note=_LINEAR_SM90))
 for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):
     register(_op, "fp32", "sm90", _cfg(4, 3, BLOCK_I=64, BLOCK_J=64, BLOCK_R=32, GROUP_I=8, UNIT=_unit, TMA=1,

@@ -196,12 +196,12 @@ def test_tma_variant_under_interpreter(dtype):
     assert_bitwise_equal(cols, out[:, 16:], "tma column shard")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "tma_flat"])
 def test_dw_token_unit_fold_reproduces_from_unit_partials(variant):
     """SP readiness: per-unit fp32 partials computed on row slices, folded left, equal the full dW."""
     cfg = launch_config("linear_dw", BF16, "interp")
-    if variant == "tma":
-        cfg = _tma_cfg("linear_dw", BF16)
+    if variant != "pointer":
+        cfg = _with(_tma_cfg("linear_dw", BF16), FLAT_UNITS=int(variant == "tma_flat"))
     unit = cfg["UNIT"]
     m = 2 * unit + 9
     x, w, _ = _data(m, 40, 80, BF16, seed=10)
@@ -211,6 +211,9 @@ def test_dw_token_unit_fold_reproduces_from_unit_partials(variant):
     for s in range(0, m, unit):
         folded = folded + lt.linear_dw(dy[s:s + unit], x[s:s + unit], w, FP32, config=cfg)
     assert_bitwise_equal(full, folded, "dW vs left fold of unit partials")
+    if variant == "tma_flat":
+        nested = lt.linear_dw(dy, x, w, FP32, config=_with(cfg, FLAT_UNITS=0))
+        assert_bitwise_equal(full, nested, "flat unit loop vs nested unit loop")
     assert_bitwise_equal(lt.linear_dw(dy, x, w, BF16, config=cfg), full.to(BF16), "dW rounds the fp32 fold once")
 
     db_cfg = launch_config("linear_dbias", BF16, "interp")

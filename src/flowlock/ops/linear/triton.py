@@ -144,10 +144,35 @@ def _tma_dot_range(a_desc, b_desc, oi, oj, lo, hi, acc, A_T: tl.constexpr, B_T: 
 
 
 @triton.jit
+def _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T: tl.constexpr, B_T: tl.constexpr,
+                        BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+                        UNIT: tl.constexpr, FP32_DOT: tl.constexpr):
+    """The unit fold of _linear_gemm_tma_kernel as a single loop over BLOCK_R blocks: the same
+    operations in the same order as the nested form, folding where a unit (or R) ends."""
+    n_r = tl.cdiv(R, BLOCK_R)
+    part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    for ri in tl.range(0, n_r):
+        r0 = ri * BLOCK_R
+        if A_T:
+            a = a_desc.load([r0, oi]).T
+        else:
+            a = a_desc.load([oi, r0])
+        if B_T:
+            b = b_desc.load([oj, r0]).T
+        else:
+            b = b_desc.load([r0, oj])
+        part = _mma(a, b, part, FP32_DOT)
+        if ((ri + 1) % (UNIT // BLOCK_R) == 0) | (ri == n_r - 1):
+            acc = acc + part
+            part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
                             A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
                             UNIT: tl.constexpr, FP32_DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
-                            EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr,
+                            EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, FLAT_UNITS: tl.constexpr,
                             BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
                             GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """TMA variant: persistent programs walk the grouped tile order with stride NUM_PROGRAMS.
@@ -155,8 +180,9 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
     Descriptor blocks: A is (BLOCK_I, BLOCK_R), or (BLOCK_R, BLOCK_I) when stored transposed
     (A_T); B is (BLOCK_R, BLOCK_J), or (BLOCK_J, BLOCK_R) when B_T; C is (BLOCK_I, BLOCK_J), or
     (BLOCK_I, BLOCK_J // 2) with EPI_SPLIT, which stores the tile in two halves to halve the
-    epilogue's shared memory. FLATTEN lets the compiler pipeline across tile boundaries; it moves
-    no arithmetic.
+    epilogue's shared memory. FLATTEN lets the compiler pipeline across tile boundaries and
+    FLAT_UNITS runs the token units as one loop (no pipeline drain at unit boundaries); neither
+    moves any arithmetic.
     """
     n_i = tl.cdiv(I, BLOCK_I)
     n_j = tl.cdiv(J, BLOCK_J)
@@ -167,6 +193,9 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
         acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
         if UNIT == 0:
             acc = _tma_dot_range(a_desc, b_desc, oi, oj, 0, R, acc, A_T, B_T, BLOCK_R, FP32_DOT)
+        elif FLAT_UNITS:
+            acc = _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T, B_T, BLOCK_I, BLOCK_J, BLOCK_R, UNIT,
+                                      FP32_DOT)
         else:
             for u in range(0, R, UNIT):
                 part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
@@ -265,6 +294,7 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
             a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
             A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
             EPI_SPLIT=epi_split, FLATTEN=bool(dict(cfg.blocks).get("FLATTEN", 0)),
+            FLAT_UNITS=bool(dict(cfg.blocks).get("FLAT_UNITS", 0)),
             BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
