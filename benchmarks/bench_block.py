@@ -81,10 +81,10 @@ def _kernel_prefix(name: str) -> str:
     """Group kernel names: drop template/argument lists and trailing specialisation suffixes."""
     name = re.sub(r"^void ", "", name)
     name = re.split(r"[<(\s]", name, maxsplit=1)[0]
-    name = name.split("::")[-1]
-    if not name.startswith("_"):
-        name = "_".join(name.split("_")[:3])
-    return name or "<unnamed>"
+    *space, leaf = name.split("::")
+    if not leaf.startswith("_"):
+        leaf = "_".join(leaf.split("_")[:3])
+    return "::".join(space[-1:] + [leaf]) or "<unnamed>"
 
 
 def breakdown(model, inputs: dict, cots, mode: str, device: torch.device, top: int = 25) -> list[dict]:

@@ -85,3 +85,18 @@ def test_plots_are_written(tmp_path):
     unknown = harness.write_json(tmp_path / "u.json", {"benchmark": "nope", "results": []})
     with pytest.raises(ValueError, match="no plot"):
         plot.plot(unknown)
+
+
+def test_block_layout_fractions_and_kernel_groups():
+    import bench_block
+
+    for s in (40, 64, 4096, 16384):
+        layout = bench_block.layout_for(s)
+        assert layout.seq_len == s
+        text, audio = layout.text_indices.numel(), layout.audio_indices.numel()
+        assert abs(text - 0.05 * s) <= 1 and 0.15 * s - 1 <= audio <= 0.15 * s + max(64, 0.02 * s)
+    assert bench_block._kernel_prefix("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>(Params)") == \
+        "cutlass::Kernel2"
+    assert bench_block._kernel_prefix("_linear_fwd_kernel") == "_linear_fwd_kernel"
+    assert bench_block._kernel_prefix("aten::mm") == "aten::mm"
+    assert bench_block._kernel_prefix("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize") == "sm90_xmma_gemm"
