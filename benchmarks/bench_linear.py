@@ -56,12 +56,52 @@ def _eq(a, b) -> bool:
 def _checks(device, shapes, m) -> dict:
     """Invariance, repeatability, unit fold and accuracy on the GPU."""
     out = {}
-    try:
-        _check_groups(out, device, shapes, m)
-    except Exception as exc:  # keep the checks that ran
-        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-    out["all_bitwise_ok"] = "error" not in out and all(v for v in out.values() if isinstance(v, bool))
+    for group in (_check_groups, _check_autograd):
+        try:
+            group(out, device, shapes, m)
+        except Exception as exc:  # keep the checks that ran
+            out[f"error_{group.__name__}"] = f"{type(exc).__name__}: {exc}"[:2000]
+    errors = any(key.startswith("error") for key in out)
+    out["all_bitwise_ok"] = not errors and all(v for v in out.values() if isinstance(v, bool))
     return out
+
+
+def _grad_errors(fn, x, w, b, dy):
+    """Max |error| vs float64 of (out, dx, dw, db) through autograd."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, dy.to(out.dtype))
+    gold_leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    gold = gold_leaves[0] @ gold_leaves[1].T + gold_leaves[2]
+    gold_grads = torch.autograd.grad(gold, gold_leaves, dy.double())
+    return [(a.double() - g).abs().max().item() for a, g in zip((out, *grads), (gold, *gold_grads))]
+
+
+def _check_autograd(out, device, shapes, m) -> None:
+    """Public linear with bias through autograd (dX, dW, dBias kernels) in bf16, bf16->fp32 output
+    and fp32, each against float64 next to the same computation by cuBLAS; zero-row shards."""
+    rows = min(m, 1000)
+    n, k = shapes["fc2"][0], shapes["qkv"][1] // 2
+    g = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(rows, k, device=device, generator=g)
+    w = torch.randn(n, k, device=device, generator=g) / k**0.5
+    b = torch.randn(n, device=device, generator=g)
+    dy = torch.randn(rows, n, device=device, generator=g)
+    xb, wb, bb = x.to(BF16), w.to(BF16), b.to(BF16)
+    out["autograd_bf16_err_flowlock"] = _grad_errors(linear, xb, wb, bb, dy)
+    out["autograd_bf16_err_cublas"] = _grad_errors(F.linear, xb, wb, bb, dy)
+    out["autograd_bf16_to_fp32_err_flowlock"] = _grad_errors(
+        lambda *a: linear(*a, out_dtype=torch.float32), xb, wb, bb, dy)
+    out["autograd_bf16_to_fp32_err_cublas"] = _grad_errors(
+        lambda xx, ww, bbb: F.linear(xx.float(), ww.float(), bbb.float()), xb, wb, bb, dy)
+    xf, wf = x[:, :96].contiguous(), w[:, :96].contiguous()
+    out["autograd_fp32_err_flowlock"] = _grad_errors(linear, xf, wf, b, dy)
+    out["autograd_fp32_err_cublas_no_tf32"] = _grad_errors(F.linear, xf, wf, b, dy)
+    empty = xb[:0].clone().requires_grad_(True)
+    wr = wb.clone().requires_grad_(True)
+    y0 = linear(empty, wr, bb)
+    (dw0,) = torch.autograd.grad(y0, (wr,), torch.zeros_like(y0))
+    out["zero_rows_ok"] = y0.shape == (0, n) and not bool(dw0.any())
 
 
 def _check_groups(out, device, shapes, m) -> None:
