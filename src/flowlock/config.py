@@ -90,7 +90,8 @@ register("qk_norm_rope_bwd", "bf16", "any", _cfg(4, TILE_ROWS=32, note="dweight 
 for _dt in ("fp32", "bf16", "fp16"):
     register("rows", _dt, "any", _cfg(4, BLOCK_H=1024, note="one 1024-channel slice of one row per program"))
 # attention: keyed by head dim D; "any" tiles are interpreter-sized so odd test shapes cross several blocks
-_ATTN_SM90 = "best of a sweep at B=1, 56 heads, D=128, S=16384 on an H200 (benchmarks/bench_attention.py --sweep)"
+_ATTN_SM90 = ("best of two sweeps at B=1, 56 heads, D=128, S=16384 on an H200 (bench_attention.py --sweep, "
+              "benchmarks/results/attention_h200_run*.json); D=32/64 reuse the D=128 tiles untimed")
 for _d in (32, 64, 128):
     register("attention_fwd", "bf16", "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, note="interpreter-sized"), (_d,))
     register("attention_bwd_delta", "bf16", "any", _cfg(4, BLOCK_M=16, note="interpreter-sized"), (_d,))
@@ -99,7 +100,7 @@ for _d in (32, 64, 128):
     register("attention_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, note=_ATTN_SM90), (_d,))
     register("attention_bwd_delta", "bf16", "sm90", _cfg(4, BLOCK_M=64, note="memory-bound row sums"), (_d,))
     register("attention_bwd_dkdv", "bf16", "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, note=_ATTN_SM90), (_d,))
-    register("attention_bwd_dq", "bf16", "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=64, note=_ATTN_SM90), (_d,))
+    register("attention_bwd_dq", "bf16", "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, note=_ATTN_SM90), (_d,))
 
 # linear: BLOCK_R (reduced-dim block) is one value per (dtype, arch) for every weight shape, so fused qkv == q, k, v.
 _LINEAR_ANY = "interpreter-sized (ragged tails at test shapes); non-Hopper GPUs run the pointer kernel with these"

@@ -146,6 +146,16 @@ def test_strided_incoming_gradient():
         assert_bitwise_equal(got, want, "strided dO")
 
 
+def test_compiled_equals_eager():
+    """torch.compile sees the forward and backward as two opaque custom ops: same bits as eager."""
+    q, k, v, do = _qkv(2, 20, 2, 32, seed=12)
+    fn = lambda a, b, c: _triton(a * 1, b, c)
+    eager = _fwd_bwd(fn, q, k, v, do)
+    torch._dynamo.reset()
+    compiled = _fwd_bwd(torch.compile(fn, backend="aot_eager", fullgraph=True), q, k, v, do)
+    assert_bitwise_equal(compiled, eager, "compiled vs eager")
+
+
 def _pool(n=4, s=20, h=1, d=32):
     q, k, v, do = _qkv(n, s, h, d, seed=6, grad=False)
     return q, k, v, do

@@ -315,12 +315,38 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dk, dv
 
 
+@torch.library.custom_op("flowlock::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return attention_fwd(q, k, v, scale)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, scale):
+    batch, seq, heads, dim = q.shape
+    return q.new_empty((batch, seq, heads, dim)), q.new_empty((batch, heads, seq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flowlock::attention_bwd", mutates_args=())
+def _attention_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse2: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward as one opaque op (see :func:`attention_bwd`)."""
+    return attention_bwd(dout, q, k, v, out, lse2, scale)
+
+
+@_attention_bwd_op.register_fake
+def _(dout, q, k, v, out, lse2, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
 class AttentionFunction(torch.autograd.Function):
-    """Autograd boundary: saves q, k, v, out and the fp32 ``lse2`` (O(S) extra memory)."""
+    """Autograd boundary over the two custom ops: saves q, k, v, out and the fp32 ``lse2`` (O(S)
+    extra memory)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
-        out, lse2 = attention_fwd(q, k, v, scale)
+        out, lse2 = _attention_fwd_op(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.scale = scale
         return out
@@ -332,5 +358,5 @@ class AttentionFunction(torch.autograd.Function):
             # the kernels address D with unit stride; an expanded or transposed incoming gradient
             # gets one contiguous copy
             dout = dout.contiguous()
-        dq, dk, dv = attention_bwd(dout, q, k, v, out, lse2, ctx.scale)
+        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, ctx.scale)
         return dq, dk, dv, None
