@@ -6,15 +6,18 @@ side effects: modes are entered explicitly with :func:`mode` / :func:`set_mode`.
 
 from flowlock.dispatch import use_backend
 from flowlock.modes import Fallback, ModeHandle, StrictModeError, current_mode, mode, set_mode
+from flowlock.patching import PatchHandle, patch  # diffusers is imported only when patch() runs
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Fallback",
     "ModeHandle",
+    "PatchHandle",
     "StrictModeError",
     "current_mode",
     "mode",
+    "patch",
     "set_mode",
     "use_backend",
 ]

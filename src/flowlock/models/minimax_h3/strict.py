@@ -1,0 +1,323 @@
+"""The strict forward of diffusers' ``MiniMaxH3Transformer3DModel``, built only from flowlock ops.
+
+It follows ``transformer_minimax_h3.py`` step for step, with every arithmetic step replaced by a
+flowlock op whose output bits are a pure function of the sample:
+
+* inputs: ``proj_in`` / ``audio_proj_in`` as true-FP32 ``linear`` (inputs cast to FP32 as
+  diffusers does), ``context_embedder`` as BF16 ``linear``, the token refiner, then ``scatter_rows``
+  builds the packed buffer (video / audio rows cast to the text dtype, uncovered rows zero);
+* timestep: ``timestep_sinusoid`` -> ``timestep_mlp`` (FP32);
+* each block: one ``adaln_table`` (FP32-held BF16 values; the six chunks are column views),
+  ``rms_norm_modulate``, q/k/v ``linear``, ``qk_norm_rope``, ``attention``, ``linear`` to_out,
+  ``gate_residual``, and the same for the SwiGLU feed-forward;
+* output: ``final_adaln_out``, then ``gather_rows`` selects each modality's rows *before* the FP32
+  heads (a GEMM row depends only on its input row, so this gives the same bits for less work).
+
+RoPE cos/sin are computed as ``MiniMaxH3RotaryPosEmbed`` does, in elementwise FP32 torch from
+``position_ids`` only, so they are the same bits in every batch.
+
+Unsupported modules (a Linear slot holding something else, a custom attention processor, LoRA with
+active dropout or a variant such as DoRA) are found once per forward, before any op runs: strict
+mode raises :class:`flowlock.StrictModeError` naming the module; audit mode records the fallback and
+runs that module's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from diffusers.models.activations import SwiGLU
+from diffusers.models.attention import FeedForward
+from diffusers.models.transformers.transformer_minimax_h3 import (
+    MINIMAX_H3_MODALITY_NUM,
+    MiniMaxH3AttnProcessor,
+    MiniMaxH3TransformerOutput,
+)
+from torch import nn
+
+from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
+from flowlock.models.minimax_h3.structure import validate_structure
+from flowlock.modes import fallback_or_raise
+from flowlock.ops.adaln import adaln_table
+from flowlock.ops.attention import attention
+from flowlock.ops.final_adaln import final_adaln_out
+from flowlock.ops.linear import linear
+from flowlock.ops.qk_norm_rope import qk_norm_rope
+from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
+from flowlock.ops.rows import gather_rows, scatter_rows
+from flowlock.ops.swiglu import swiglu
+from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
+
+# Column order of the (3T, 6H) AdaLN table (diffusers' chunk order).
+SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP = range(6)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MiniMaxH3RotaryPosEmbed.forward``: (S, 3) positions -> cos, sin (S, 6 * rope_freq_dim) FP32.
+
+    Elementwise FP32 from the positions only, the same ops in the same order as diffusers, so the
+    result is bitwise equal to ``model.rope(position_ids)`` and independent of the batch.
+    """
+    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.view(1, 1, -1)
+    freqs = torch.cat(freqs.unbind(dim=1), dim=-1)
+    freqs = torch.cat((freqs, freqs), dim=-1)
+    return freqs.cos(), freqs.sin()
+
+
+def _dropout_is_identity(module: nn.Module) -> bool:
+    return isinstance(module, nn.Identity) or (isinstance(module, nn.Dropout)
+                                               and (module.p == 0.0 or not module.training))
+
+
+def _linear_reason(module: nn.Module) -> str | None:
+    if type(module) is nn.Linear:
+        return None
+    if is_peft_lora(module):
+        return lora_unsupported_reason(module)
+    return f"{type(module).__name__} is neither torch.nn.Linear nor a peft LoRA Linear"
+
+
+def _rms_norm_reason(module: nn.Module) -> str | None:
+    if type(module) is not nn.RMSNorm:
+        return f"{type(module).__name__} is not torch.nn.RMSNorm"
+    if module.weight is None or module.eps is None:
+        return "RMSNorm without an affine weight or an explicit eps"
+    return None
+
+
+class _Run:
+    """One forward's decisions: which modules run their own forward (audit fallbacks)."""
+
+    def __init__(self, model: nn.Module):
+        self.fallback: set[int] = set()
+        names = {id(m): n for n, m in model.named_modules()}
+        for module in model.token_refiner.refiner_blocks:
+            self._check_attention(module.attn, names)
+            self._check_ff(module.ff, names)
+            for norm in (module.norm1, module.norm2):
+                self._check(norm, _rms_norm_reason(norm), names)
+        self._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm), names)
+        for block in model.transformer_blocks:
+            self._check_attention(block.attn, names)
+            self._check_ff(block.ff, names)
+            for norm in (block.norm1, block.norm2):
+                self._check(norm, _rms_norm_reason(norm), names)
+            linear_ = block.adaln_proj.linear
+            self._check(linear_, None if type(linear_) is nn.Linear else "the AdaLN projection must be "
+                        "torch.nn.Linear (its table is built by adaln_table)", names, fallback=block)
+        for module in (model.proj_in, model.audio_proj_in, model.context_embedder, model.proj_out,
+                       model.audio_proj_out):
+            self._check(module, _linear_reason(module), names)
+        norm_out = model.norm_out
+        if type(norm_out.norm) is not nn.RMSNorm or type(norm_out.linear) is not nn.Linear:
+            # final_adaln_out fuses the norm and its projection, so neither can be swapped alone.
+            self._check(norm_out, "norm_out.norm / norm_out.linear must be RMSNorm / Linear", names)
+        embedder = model.time_embedder
+        if (type(embedder.linear_1) is not nn.Linear or type(embedder.linear_2) is not nn.Linear
+                or type(embedder.act) is not nn.SiLU or embedder.cond_proj is not None
+                or embedder.post_act is not None):
+            self._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2", names)
+
+    def _check(self, module: nn.Module, reason: str | None, names: dict, fallback: nn.Module | None = None):
+        if reason is None:
+            return
+        fallback_or_raise(f"minimax_h3 {names.get(id(module), type(module).__name__)}", reason)
+        self.fallback.add(id(fallback if fallback is not None else module))
+
+    def _check_attention(self, attn: nn.Module, names: dict) -> None:
+        processor = attn.processor
+        if type(processor) is not MiniMaxH3AttnProcessor:
+            self._check(attn, f"attention processor {type(processor).__name__} is not diffusers' "
+                        "MiniMaxH3AttnProcessor", names)
+            return
+        if processor._parallel_config is not None:
+            self._check(attn, "context-parallel attention is not on the strict path", names)
+            return
+        if not _dropout_is_identity(attn.to_out[1]):
+            self._check(attn, "attention output dropout is active", names)
+            return
+        projections = [attn.to_qkv] if getattr(attn, "fused_projections", False) else [
+            attn.to_q, attn.to_k, attn.to_v]
+        for module in (*projections, attn.to_out[0]):
+            self._check(module, _linear_reason(module), names)
+        for norm in (attn.norm_q, attn.norm_k):
+            self._check(norm, _rms_norm_reason(norm), names)
+
+    def _check_ff(self, ff: nn.Module, names: dict) -> None:
+        net = getattr(ff, "net", None)
+        if (type(ff) is not FeedForward or len(net) != 3 or type(net[0]) is not SwiGLU
+                or not _dropout_is_identity(net[1])):
+            self._check(ff, "feed-forward is not SwiGLU -> Dropout(0) -> Linear", names)
+            return
+        for module in (net[0].proj, net[2]):
+            self._check(module, _linear_reason(module), names)
+
+    def runs_own(self, module: nn.Module) -> bool:
+        return id(module) in self.fallback
+
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_own(module):
+            return module(x)
+        if type(module) is nn.Linear:
+            return linear(x, module.weight, module.bias)
+        return strict_lora_linear(module, x)
+
+    def rms_norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_own(module):
+            return module(x)
+        return rms_norm(x, module.weight, module.eps)
+
+    def attention(self, attn: nn.Module, x: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``MiniMaxH3AttnProcessor``: (B, S, hidden) bf16 -> (B, S, hidden) bf16."""
+        if self.runs_own(attn):
+            return attn(x, rope)
+        if getattr(attn, "fused_projections", False):
+            q, k, v = self._fused_qkv(attn.to_qkv, x)
+        else:
+            q, k, v = (self.linear(m, x) for m in (attn.to_q, attn.to_k, attn.to_v))
+        q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in (q, k, v))
+        if rope is None:
+            q, k = self.rms_norm(attn.norm_q, q), self.rms_norm(attn.norm_k, k)
+        else:
+            q, k = (self._qk_norm_rope(norm, t, rope) for norm, t in ((attn.norm_q, q), (attn.norm_k, k)))
+        out = attention(q, k, v)
+        return self.linear(attn.to_out[0], out.flatten(2, 3))
+
+    def _fused_qkv(self, to_qkv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if type(to_qkv) is nn.Linear and not self.runs_own(to_qkv):
+            # Three GEMMs on the row blocks of the stacked weight (contiguous views; the split's
+            # backward is one exact concatenation): the same nodes as an unfused model, so forward
+            # and gradients are bitwise those of the separate projections. One fused GEMM would
+            # give the same forward but reduce dX over all 3·inner columns at once, which rounds
+            # differently from autograd's sum of three dX partials.
+            biases = to_qkv.bias.chunk(3) if to_qkv.bias is not None else (None, None, None)
+            return tuple(linear(x, w, b) for w, b in zip(to_qkv.weight.chunk(3), biases))
+        q, k, v = self.linear(to_qkv, x).chunk(3, dim=-1)
+        return q.contiguous(), k.contiguous(), v
+
+    def _qk_norm_rope(self, norm: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        if self.runs_own(norm):
+            from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
+
+            return _apply_rotary_emb(norm(x), *rope)
+        return qk_norm_rope(x, norm.weight, rope[0], rope[1], norm.eps)
+
+    def feed_forward(self, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_own(ff):
+            return ff(x)
+        return self.linear(ff.net[2], swiglu(self.linear(ff.net[0].proj, x)))
+
+
+def _refiner_block(run: _Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # A plain bf16 add is bitwise what eager does, and elementwise, so it is batch-invariant.
+    x = x + run.attention(block.attn, run.rms_norm(block.norm1, x), None)
+    return x + run.feed_forward(block.ff, run.rms_norm(block.norm2, x))
+
+
+def _block(run: _Run, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
+           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Imported here while the gate_residual family lands (norms engineer); move up once it has.
+    from flowlock.ops.gate_residual import gate_residual
+
+    if run.runs_own(block):
+        return block(x, temb, adaln_indices, (cos, sin))
+    proj = block.adaln_proj.linear
+    table = adaln_table(temb, proj.weight, proj.bias)
+    hidden = x.shape[-1]
+    chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
+    normed = _modulate(run, block.norm1, x, chunk[SHIFT_MSA], chunk[SCALE_MSA], adaln_indices)
+    attn_out = run.attention(block.attn, normed, (cos, sin))
+    x = gate_residual(x, chunk[GATE_MSA], attn_out, adaln_indices, check_indices=False)
+    normed = _modulate(run, block.norm2, x, chunk[SHIFT_MLP], chunk[SCALE_MLP], adaln_indices)
+    ff_out = run.feed_forward(block.ff, normed)
+    return gate_residual(x, chunk[GATE_MLP], ff_out, adaln_indices, check_indices=False)
+
+
+def _modulate(run: _Run, norm: nn.Module, x, shift, scale, index):
+    if run.runs_own(norm):
+        return norm(x) * (1.0 + scale.to(x.dtype)[index]) + shift.to(x.dtype)[index]
+    return rms_norm_modulate(x, norm.weight, shift, scale, index, norm.eps, check_indices=False)
+
+
+def _checkpointed(model: nn.Module, fn, *tensors: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and model.gradient_checkpointing:
+        return model._gradient_checkpointing_func(fn, *tensors)
+    return fn(*tensors)
+
+
+def _time_embedding(run: _Run, model: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
+    if model.time_proj.num_channels != 256 or not model.time_proj.flip_sin_to_cos \
+            or model.time_proj.downscale_freq_shift != 0 or model.time_proj.scale != 1:
+        fallback_or_raise("minimax_h3 time_proj", "timestep_sinusoid serves Timesteps(256, True, 0) only")
+        sinusoid = model.time_proj(timestep)
+    else:
+        sinusoid = timestep_sinusoid(timestep)
+    embedder = model.time_embedder
+    if run.runs_own(embedder):
+        return embedder(sinusoid)
+    l1, l2 = embedder.linear_1, embedder.linear_2
+    return timestep_mlp(sinusoid, l1.weight, l1.bias, l2.weight, l2.bias)
+
+
+def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
+                   encoder_hidden_states: torch.Tensor, timestep: torch.Tensor, timestep_indices: torch.Tensor,
+                   token_tags: torch.Tensor, position_ids: torch.Tensor, video_indices: torch.Tensor,
+                   audio_indices: torch.Tensor, text_indices: torch.Tensor, return_dict: bool = True):
+    """``MiniMaxH3Transformer3DModel.forward`` on flowlock ops; its arguments (``attention_kwargs`` aside),
+    its outputs.
+
+    Shapes as diffusers: video rows ``(B, Nv, C_video)``, audio rows ``(B, Na, C_audio)``, text
+    ``(B, Nt, text_dim)``, ``timestep (T,)`` float32 in [0, 1], per-row ``timestep_indices`` /
+    ``token_tags (S,)``, ``position_ids (S, 3)`` and unique, disjoint row indices. Returns
+    :class:`MiniMaxH3TransformerOutput` (``sample`` (B, Nv, C_video) and ``audio_sample``
+    (B, Na, C_audio), FP32) or the tuple when ``return_dict=False``.
+
+    Guarantees: every output and gradient element is a pure function of its sample (batch
+    invariance) and bitwise repeatable, given the ops' contracts. The structural inputs are
+    validated once, here, before any op runs (ValueError / TypeError naming the argument).
+    """
+    seq_len = validate_structure(
+        hidden_states=hidden_states, audio_hidden_states=audio_hidden_states,
+        encoder_hidden_states=encoder_hidden_states, timestep=timestep, timestep_indices=timestep_indices,
+        token_tags=token_tags, position_ids=position_ids, video_indices=video_indices,
+        audio_indices=audio_indices, text_indices=text_indices)
+    run = _Run(model)
+
+    cos, sin = rope_cos_sin(model.rope.inv_freq, position_ids)
+
+    video = run.linear(model.proj_in, hidden_states.to(model.proj_in.weight.dtype))
+    audio = run.linear(model.audio_proj_in, audio_hidden_states.to(model.audio_proj_in.weight.dtype))
+    text = run.linear(model.context_embedder, encoder_hidden_states.to(model.context_embedder.weight.dtype))
+    refiner = model.token_refiner
+    for block in refiner.refiner_blocks:
+        if torch.is_grad_enabled() and refiner.gradient_checkpointing:
+            text = refiner._gradient_checkpointing_func(functools.partial(_refiner_block, run, block), text)
+        else:
+            text = _refiner_block(run, block, text)
+    text = run.rms_norm(refiner.final_norm, text)
+
+    x = scatter_rows([text, video.to(text.dtype), audio.to(text.dtype)],
+                     [text_indices, video_indices, audio_indices], seq_len, check_indices=False)
+
+    temb = _time_embedding(run, model, timestep)
+    adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
+
+    for block in model.transformer_blocks:
+        x = _checkpointed(model, functools.partial(_block, run, block), x, temb, adaln_indices, cos, sin)
+
+    head_dtype = model.proj_out.weight.dtype
+    if run.runs_own(model.norm_out):
+        x = model.norm_out(x, temb, timestep_indices)
+    else:
+        norm_out = model.norm_out
+        x = final_adaln_out(x, temb, norm_out.norm.weight, norm_out.linear.weight, norm_out.linear.bias,
+                            timestep_indices, norm_out.norm.eps, check_indices=False)
+    video_rows = gather_rows(x, video_indices, check_indices=False).to(head_dtype)
+    audio_rows = gather_rows(x, audio_indices, check_indices=False).to(model.audio_proj_out.weight.dtype)
+    video_out = run.linear(model.proj_out, video_rows)
+    audio_out = run.linear(model.audio_proj_out, audio_rows)
+    if not return_dict:
+        return (video_out, audio_out)
+    return MiniMaxH3TransformerOutput(sample=video_out, audio_sample=audio_out)

@@ -1,0 +1,162 @@
+"""Reversible, plan-as-data patching of a model instance.
+
+A plan is a list of :class:`PatchEntry` ``(module qualified name, attribute, replacement)``. Modules
+are found by their exact qualified name (``root.get_submodule``) and, when the entry names one,
+their exact type: never by substring. Applying a plan records what each attribute held *on the
+instance* (including a pre-existing instance-level ``forward``) and :meth:`PatchHandle.remove`
+puts back exactly that, by identity, and verifies it. Only plain attributes are patched, never
+parameters, buffers or submodules, so ``state_dict`` is untouched. A module can be patched by one
+handle at a time.
+
+:func:`patch` is the public entry: it picks the plan for the model's class (MiniMax-H3 today).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from flowlock.modes import Fallback
+
+_MISSING = object()
+
+# Modules currently patched -> the handle that patched them.
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class PatchEntry:
+    """Set ``attribute`` of the submodule named ``module`` ("" for the root) to ``replacement``.
+
+    ``module_type``, when given, must be the submodule's exact type.
+    """
+
+    module: str
+    attribute: str
+    replacement: object
+    module_type: type | None = None
+
+
+@dataclass
+class _Applied:
+    entry: PatchEntry
+    target: nn.Module
+    previous: object  # the instance-level value before patching, or _MISSING
+
+
+@dataclass
+class PatchHandle:
+    """What one plan changed on one model; :meth:`remove` undoes it exactly.
+
+    ``mode`` is the mode the patched code runs in; ``fallbacks`` collects the audit fallbacks it
+    made when it ran in a mode frame of its own (see ``flowlock.models.minimax_h3.patch``).
+    """
+
+    mode: str
+    fallbacks: list[Fallback] = field(default_factory=list)
+    _applied: list[_Applied] = field(default_factory=list)
+    _removed: bool = False
+
+    @property
+    def patched(self) -> list[tuple[str, str]]:
+        """``(module qualified name, attribute)`` of every live patch ("" names the root)."""
+        return [] if self._removed else [(a.entry.module, a.entry.attribute) for a in self._applied]
+
+    @property
+    def active(self) -> bool:
+        return not self._removed
+
+    def remove(self) -> None:
+        """Restore every patched attribute to its previous instance-level value (or its absence).
+
+        Raises RuntimeError when called twice or when a patched attribute no longer holds the
+        replacement (someone else changed it: restoring would silently drop their change).
+        """
+        if self._removed:
+            raise RuntimeError("this patch was already removed")
+        for applied in reversed(self._applied):
+            current = applied.target.__dict__.get(applied.entry.attribute, _MISSING)
+            if current is not applied.entry.replacement:
+                raise RuntimeError(f"{_label(applied.entry)} no longer holds the flowlock replacement; "
+                                   "refusing to restore over a foreign change")
+        for applied in reversed(self._applied):
+            _restore(applied)
+        for applied in self._applied:
+            if applied.target.__dict__.get(applied.entry.attribute, _MISSING) is not applied.previous:
+                raise RuntimeError(f"{_label(applied.entry)} was not restored")
+            _ACTIVE.pop(applied.target, None)
+        self._removed = True
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _label(entry: PatchEntry) -> str:
+    return f"{entry.module or '<root>'}.{entry.attribute}"
+
+
+def _restore(applied: _Applied) -> None:
+    if applied.previous is _MISSING:
+        del applied.target.__dict__[applied.entry.attribute]
+    else:
+        applied.target.__dict__[applied.entry.attribute] = applied.previous
+
+
+def apply_plan(root: nn.Module, plan: list[PatchEntry], handle: PatchHandle) -> PatchHandle:
+    """Apply every entry of ``plan`` to ``root``, record them in the fresh ``handle`` and return it.
+
+    All entries are resolved and checked before anything changes, so a bad plan leaves the model
+    untouched. Raises RuntimeError when a target module is already patched, LookupError for an
+    unknown qualified name, TypeError for a wrong module type or an entry that would touch a
+    parameter, buffer or submodule.
+    """
+    resolved = []
+    for entry in plan:
+        target = root.get_submodule(entry.module)
+        if entry.module_type is not None and type(target) is not entry.module_type:
+            raise TypeError(f"{entry.module or '<root>'} is {type(target).__name__}, the plan expects "
+                            f"{entry.module_type.__name__}")
+        if target in _ACTIVE:
+            raise RuntimeError(f"{entry.module or '<root>'} is already patched by flowlock; remove() that patch "
+                               "first")
+        name = entry.attribute
+        if name in target._parameters or name in target._buffers or name in target._modules:
+            raise TypeError(f"{_label(entry)} is a parameter, buffer or submodule; plans patch plain attributes")
+        if isinstance(entry.replacement, (nn.Module, nn.Parameter)):
+            raise TypeError(f"{_label(entry)}: a replacement must not be a module or parameter")
+        resolved.append((entry, target))
+    if handle._applied or handle._removed:
+        raise RuntimeError("apply_plan needs a fresh PatchHandle")
+    for entry, target in resolved:
+        previous = target.__dict__.get(entry.attribute, _MISSING)
+        target.__dict__[entry.attribute] = entry.replacement
+        handle._applied.append(_Applied(entry, target, previous))
+        _ACTIVE[target] = handle
+    return handle
+
+
+def patch(model: nn.Module, mode: str = "strict") -> PatchHandle:
+    """Route ``model``'s forward through flowlock's strict path; return the handle that undoes it.
+
+    ``mode`` is ``"strict"`` (anything flowlock cannot serve raises ``StrictModeError``) or
+    ``"audit"`` (such a step runs the stock module and is recorded). A caller's
+    ``with flowlock.mode("audit"):`` also gives audit behaviour, and inside
+    ``with flowlock.mode("provider"):`` the patched model runs its original forward. Parameters,
+    buffers and the module tree are not touched. Supported: diffusers'
+    ``MiniMaxH3Transformer3DModel``.
+    """
+    if mode not in ("strict", "audit"):
+        raise ValueError(f"mode must be 'strict' or 'audit', got {mode!r}")
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    if not isinstance(model, MiniMaxH3Transformer3DModel):
+        raise TypeError(f"flowlock.patch supports MiniMaxH3Transformer3DModel, got {type(model).__name__}")
+    from flowlock.models.minimax_h3.plan import build_plan
+
+    handle = PatchHandle(mode)
+    return apply_plan(model, build_plan(model, handle), handle)
