@@ -1,0 +1,147 @@
+"""Triton kernels for ``qk_norm_rope``: per-head RMSNorm then rotate-half RoPE, fused.
+
+Forward: one program per (token, head) row of D channels. The rotate-half partner of channel ``j``
+(``j ± R/2``) is recomputed from its own load rather than shuffled across registers, so every value
+is rounded exactly where eager BF16 rounds it. Backward: one program per fixed tile of
+``TILE_ROWS`` rows (a layout constant, never derived from the token count or the GPU); dx rows are
+pure, and the weight gradient is a per-tile float32 partial (rows ascending) folded over tiles in
+ascending order by a second kernel: no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flowlock.config import launch_config
+from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._triton_utils import arch_of
+
+
+@triton.jit
+def _inv_rms(x, mask, D, eps):
+    ss = tl.sum(tl.where(mask, x * x, 0.0), axis=0)
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, D * 1.0) + eps))
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, S, HEADS, D, R, eps,
+                             BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = (row // HEADS) % S
+    j = tl.arange(0, BLOCK_D)
+    mask = j < D
+    half = R // 2
+    rotary = j < R
+    partner = tl.where(j < half, j + half, j - half)
+    partner = tl.where(rotary, partner, j)
+    src = x_ptr + row * D
+    x = to_f32(tl.load(src + j, mask=mask, other=0.0))
+    inv_rms = _inv_rms(x, mask, D, eps)
+    y = round_f32((x * inv_rms) * to_f32(tl.load(w_ptr + j, mask=mask, other=0.0)), tl.bfloat16)
+    xp = to_f32(tl.load(src + partner, mask=mask, other=0.0))
+    yp = round_f32((xp * inv_rms) * to_f32(tl.load(w_ptr + partner, mask=mask, other=0.0)), tl.bfloat16)
+    rotated = tl.where(j < half, -yp, yp)
+    rmask = mask & rotary
+    c = round_f32(tl.load(cos_ptr + s * R + j, mask=rmask, other=0.0), tl.bfloat16)
+    sn = round_f32(tl.load(sin_ptr + s * R + j, mask=rmask, other=0.0), tl.bfloat16)
+    rope = round_f32(round_f32(y * c, tl.bfloat16) + round_f32(rotated * sn, tl.bfloat16), tl.bfloat16)
+    out = tl.where(rotary, rope, y)
+    tl.store(out_ptr + row * D + j, from_f32(out, tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_part_ptr, ROWS, S, HEADS, D, R,
+                             eps, TILE_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile = tl.program_id(0)
+    j = tl.arange(0, BLOCK_D)
+    mask = j < D
+    half = R // 2
+    rotary = j < R
+    rmask = mask & rotary
+    partner = tl.where(j < half, j + half, j - half)
+    partner = tl.where(rotary, partner, j)
+    # Sign of the partner term in d y_j: rotate_half puts +y_j at j + R/2 and -y_j at j - R/2.
+    sign = tl.where(j < half, 1.0, -1.0)
+    w = to_f32(tl.load(w_ptr + j, mask=mask, other=0.0))
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    first = tile.to(tl.int64) * TILE_ROWS
+    for i in range(0, tl.minimum(ROWS - first, TILE_ROWS)):
+        row = first + i
+        s = (row // HEADS) % S
+        x = to_f32(tl.load(x_ptr + row * D + j, mask=mask, other=0.0))
+        g = to_f32(tl.load(g_ptr + row * D + j, mask=mask, other=0.0))
+        gp = to_f32(tl.load(g_ptr + row * D + partner, mask=rmask, other=0.0))
+        c = round_f32(tl.load(cos_ptr + s * R + j, mask=rmask, other=0.0), tl.bfloat16)
+        sp = round_f32(tl.load(sin_ptr + s * R + partner, mask=rmask, other=0.0), tl.bfloat16)
+        dy = tl.where(rotary, g * c + sign * (gp * sp), g)
+        inv_rms = _inv_rms(x, mask, D, eps)
+        n = x * inv_rms
+        dn = dy * w
+        dot = tl.sum(tl.where(mask, dn * n, 0.0), axis=0)
+        dx = inv_rms * (dn - n * tl.math.div_rn(dot, D * 1.0))
+        tl.store(dx_ptr + row * D + j, from_f32(round_f32(dx, tl.bfloat16), tl.bfloat16), mask=mask)
+        dw = dw + tl.where(mask, dy * n, 0.0)
+    tl.store(dw_part_ptr + tile.to(tl.int64) * D + j, dw, mask=mask)
+
+
+@triton.jit
+def _fold_tiles_kernel(part_ptr, out_ptr, TILES, D, BLOCK_D: tl.constexpr):
+    j = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = j < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for t in range(0, TILES):
+        acc = acc + tl.load(part_ptr + t * D + j, mask=mask, other=0.0)
+    tl.store(out_ptr + j, from_f32(round_f32(acc, tl.bfloat16), tl.bfloat16), mask=mask)
+
+
+def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """Trusted launcher: contiguous bf16 ``(B, S, heads, D)``, bf16 ``(D,)``, fp32 ``(S, R)`` -> like x."""
+    b, s, heads, d = x.shape
+    out = torch.empty_like(x)
+    rows = b * s * heads
+    if rows == 0:
+        return out
+    cfg = launch_config("qk_norm_rope_fwd", x.dtype, arch_of(x))
+    _qk_norm_rope_fwd_kernel[(rows,)](x, weight, cos, sin, out, s, heads, d, cos.shape[1], float(eps),
+                                      BLOCK_D=triton.next_power_of_2(d), num_warps=cfg.num_warps,
+                                      num_stages=cfg.num_stages)
+    return out
+
+
+def qk_norm_rope_bwd(x, weight, cos, sin, eps, grad) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trusted launcher: ``(dx like x, dweight (D,) bf16)``; dweight = fixed-tile partials folded ascending."""
+    grad = grad.contiguous()
+    b, s, heads, d = x.shape
+    rows = b * s * heads
+    dx = torch.empty_like(x)
+    dweight = torch.empty_like(weight)
+    cfg = launch_config("qk_norm_rope_bwd", x.dtype, arch_of(x))
+    tile_rows = cfg["TILE_ROWS"]
+    tiles = triton.cdiv(rows, tile_rows)
+    partials = torch.empty((max(tiles, 1), d), dtype=torch.float32, device=x.device)
+    block_d = triton.next_power_of_2(d)
+    if tiles:
+        _qk_norm_rope_bwd_kernel[(tiles,)](x, weight, cos, sin, grad, dx, partials, rows, s, heads, d,
+                                           cos.shape[1], float(eps), TILE_ROWS=tile_rows, BLOCK_D=block_d,
+                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _fold_tiles_kernel[(1,)](partials, dweight, tiles, d, BLOCK_D=block_d, num_warps=cfg.num_warps)
+    return dx, dweight
+
+
+class QkNormRopeFunction(torch.autograd.Function):
+    """Autograd boundary: gradients to ``x`` and ``weight`` (cos/sin are position tables)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cos, sin, eps):
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps = eps
+        return qk_norm_rope_fwd(x, weight, cos, sin, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, cos, sin = ctx.saved_tensors
+        dx, dweight = qk_norm_rope_bwd(x, weight, cos, sin, ctx.eps, grad)
+        return dx, dweight, None, None, None
