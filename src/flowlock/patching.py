@@ -111,7 +111,7 @@ def apply_plan(root: nn.Module, plan: list[PatchEntry], handle: PatchHandle) -> 
     """Apply every entry of ``plan`` to ``root``, record them in the fresh ``handle`` and return it.
 
     All entries are resolved and checked before anything changes, so a bad plan leaves the model
-    untouched. Raises RuntimeError when a target module is already patched, LookupError for an
+    untouched. Raises RuntimeError when a target module is already patched, AttributeError for an
     unknown qualified name, TypeError for a wrong module type or an entry that would touch a
     parameter, buffer or submodule.
     """
