@@ -47,6 +47,20 @@ def test_bitwise_equal_to_diffusers_over_a_schedule(backend, dtype):
         sample, ours = expected, got
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bitwise_equal_to_diffusers_on_cuda(dtype):
+    scheduler = MiniMaxH3Scheduler(shift=12.0)
+    scheduler.set_timesteps(30, device="cuda")
+    sample = _data((2, 16, 9, 24, 40), dtype)[0].cuda()
+    for i, t in enumerate(scheduler.timesteps):
+        velocity = _data(sample.shape, dtype, seed=i + 1)[0].cuda()
+        got = euler_step(sample, velocity, t, scheduler.sigmas[i], scheduler.sigmas[i + 1])
+        expected = scheduler.step(velocity, t, sample, return_dict=False)[0]
+        assert_bitwise_equal(got, expected, f"step {i}")
+        sample = expected
+
+
 def _diffusers_step(velocity, t, sample, sigma, sigma_next):
     scheduler = MiniMaxH3Scheduler()
     scheduler.set_timesteps(sigmas=[1.0, 0.0])

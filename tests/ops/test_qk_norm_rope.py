@@ -77,6 +77,12 @@ def test_forward_mostly_bitwise_diffusers():
     assert int((out != expected).sum()) <= out.numel() // 1000
 
 
+@pytest.mark.gpu
+def test_rows_pure_on_cuda_at_h3_dims():
+    x, w, cos, sin = (t.cuda() for t in _inputs(8, 64, 56, 128, 96, seed=7))
+    assert_batch_invariant(lambda xb: qk_norm_rope(xb, w, cos, sin, EPS), x, sizes=(2, 3, 8))
+
+
 def _fwd_dx(x, w, cos, sin):
     x = x.clone().requires_grad_()
     out = _triton(x, w, cos, sin)

@@ -17,6 +17,7 @@ from flowlock.testing import (
     assert_repeatable,
     assert_within_budget,
     batch_invariance_failures,
+    repeat_failures,
 )
 
 K, HIDDEN, EMBED = 256, 45, 27
@@ -182,6 +183,30 @@ def test_mlp_repeatable_including_weight_grads():
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(11))
     grad = torch.randn(9, EMBED, generator=torch.Generator().manual_seed(12))
     assert_repeatable(lambda: _all_grads(lambda *a: _triton(timestep_mlp, *a), x, params, grad), runs=4)
+
+
+def test_repeatability_harness_catches_a_shuffled_row_fold():
+    g = torch.randn(9, EMBED, generator=torch.Generator().manual_seed(14))
+    a = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(15))
+    order = torch.Generator().manual_seed(16)
+
+    def planted():
+        rows = torch.randperm(9, generator=order)
+        dw = torch.zeros(EMBED, HIDDEN)
+        for m in rows:
+            dw = dw + g[m, :, None] * a[m, None, :]
+        return dw
+
+    assert repeat_failures(planted, runs=4)
+
+
+@pytest.mark.gpu
+def test_mlp_rows_pure_on_cuda_at_h3_dims():
+    g = torch.Generator().manual_seed(17)
+    params = [p.cuda() for p in (torch.randn(5376, 256, generator=g) / 16, torch.randn(5376, generator=g),
+                                 torch.randn(2688, 5376, generator=g) / 73, torch.randn(2688, generator=g))]
+    pool = timestep_sinusoid(torch.rand(16, generator=g).cuda())
+    assert_batch_invariant(lambda x: timestep_mlp(x, *params), pool, sizes=(2, 3, 8, 16))
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
