@@ -112,18 +112,23 @@ for _dt in ("bf16", "fp32"):
     register("linear_dw", _dt, "any", _cfg(4, BLOCK_I=16, BLOCK_J=16, BLOCK_R=8, GROUP_I=2, UNIT=16, TMA=0,
                                            EPI_SPLIT=0, note=_LINEAR_ANY + "; UNIT = dW token unit"))
     register("linear_dbias", _dt, "any", _cfg(4, BLOCK_N=16, BLOCK_R=8, UNIT=16, note=_LINEAR_ANY))
-_LINEAR_SM90 = "first guess from Hopper TMA GEMM practice; not yet measured"
+# sm90 entries: chosen on one H200 (torch 2.11, triton 3.6) by `bench_linear.py --sweep`, candidates timed against
+# cuBLAS at M = 4096/16384/32768, best worst-case ratio kept (benchmarks/results/linear_h200_run2.json).
+_LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
 register("linear_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
                                             EPI_SPLIT=1, FLATTEN=1, note=_LINEAR_SM90))
+for _shape in ((5376, 7168), (5376, 14336)):  # N = 5376: 128-wide tiles fill the last wave better at M = 4096
+    register("linear_fwd", "bf16", "sm90", _cfg(8, 4, BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
+                                                EPI_SPLIT=0, FLATTEN=1, note=_LINEAR_SM90), _shape)
 register("linear_dx", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
                                            EPI_SPLIT=1, FLATTEN=1, note=_LINEAR_SM90))
 register("linear_dw", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
                                            EPI_SPLIT=1, FLAT_UNITS=1, note=_LINEAR_SM90 + "; UNIT = dW token unit"))
-register("linear_dbias", "bf16", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note=_LINEAR_SM90))
+register("linear_dbias", "bf16", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note="by design; ran, not timed"))
 for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):
     register(_op, "fp32", "sm90", _cfg(4, 3, BLOCK_I=64, BLOCK_J=64, BLOCK_R=32, GROUP_I=8, UNIT=_unit, TMA=1,
-                                       EPI_SPLIT=0, note="true-fp32 FMA dot (no TF32); small modules only"))
-register("linear_dbias", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note=_LINEAR_SM90))
+                                       EPI_SPLIT=0, note="true-fp32 FMA dot (no TF32), small modules; by design"))
+register("linear_dbias", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note="by design; ran, not timed"))
 
 # adaln (adaln_table / adaln_modulation / final_adaln_out): chosen by design for the weight-streaming
 # memory roof on sm90 (not yet measured on an H200); the "any" entries keep interpreter runs small.

@@ -10,8 +10,9 @@ dX        tokens M   inputs K    outputs N      A = dY (M, N), B = weight (N, K)
 dW        outputs N  inputs K    tokens M       A^T = dY (M, N), B = x (M, K)
 ========  =========  ==========  =============  ==================================
 
-Every output element accumulates ``acc = tl.dot(a, b, acc)`` from zero, ascending over the reduced
-dimension in blocks of ``BLOCK_R``; out-of-range operand elements are zero on every path. Its bits
+Every output element accumulates from zero, ascending over the reduced dimension in blocks of
+``BLOCK_R`` (bf16: ``acc = tl.dot(a, b, acc)``; fp32: each block's dot summed from zero, then added);
+out-of-range operand elements are zero on every path. Its bits
 therefore depend only on its own A row, B column and ``BLOCK_R``, never on the tile that holds it,
 the grid, M, N or how columns are fused or sharded. ``BLOCK_R`` comes from ``flowlock.config`` and
 depends on dtype and architecture only.
@@ -59,9 +60,12 @@ def _tile_coords(tile, n_i, n_j, GROUP_I: tl.constexpr):
 @triton.jit
 def _mma(a, b, acc, FP32_DOT: tl.constexpr):
     # FP32_DOT: fp32 or mixed operands, or the interpreter (which computes bf16 dots wrongly; bf16
-    # products are exact in fp32). "ieee" keeps fp32 out of TF32.
+    # products are exact in fp32). "ieee" keeps fp32 out of TF32. The fp32 dot is a chain of FMAs
+    # on the GPU, so each BLOCK_R block is summed from zero and then added: error grows with
+    # BLOCK_R + R / BLOCK_R instead of R (measured on an H200: 5x cuBLAS's fp32 dX error over
+    # R = 5376 when chained). The interpreter computes a dot as acc + a @ b either way.
     if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
 
