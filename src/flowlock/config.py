@@ -62,12 +62,12 @@ def launch_config(op: str, dtype: torch.dtype, arch: str, shape: tuple[int, ...]
 for _dt in ("fp32", "bf16", "fp16"):
     register("segment_sum_partials", _dt, "any", _cfg(4, TILE_ROWS=64, BLOCK_N=32, note="interpreter-sized"))
     register("segment_sum_partials", _dt, "sm90", _cfg(4, TILE_ROWS=64, BLOCK_N=128, note="64x128 tile per program"))
-    register("rms_norm_fwd", _dt, "any", _cfg(4, ROWS=1, note="one row per program"))
+    register("rms_norm_fwd", _dt, "any", _cfg(4, ROWS=16, note="interpreter-sized: few programs"))
     register("rms_norm_fwd", _dt, "sm90", _cfg(8, ROWS=1, note="one row per program, H3 rows of 5376"))
-    register("rms_norm_bwd", _dt, "any", _cfg(4, TILE_ROWS=64, note="dweight partials over 64-row tiles"))
-    register("rms_norm_bwd", _dt, "sm90", _cfg(8, TILE_ROWS=64, note="dweight partials over 64-row tiles"))
-    register("gate_residual", _dt, "any", _cfg(4, BLOCK_H=32, note="interpreter-sized"))
-    register("gate_residual", _dt, "sm90", _cfg(4, BLOCK_H=1024, note="elementwise, memory-bound"))
+    register("rms_norm_bwd", _dt, "any", _cfg(4, TILE_ROWS=64, SUB_ROWS=64, note="whole tile at once"))
+    register("rms_norm_bwd", _dt, "sm90", _cfg(8, TILE_ROWS=64, SUB_ROWS=1, note="rows one by one"))
+    register("gate_residual", _dt, "any", _cfg(4, ROWS=16, BLOCK_H=64, note="interpreter-sized"))
+    register("gate_residual", _dt, "sm90", _cfg(4, ROWS=1, BLOCK_H=1024, note="elementwise, memory-bound"))
 register("segment_sum_fold", "fp32", "any", _cfg(4, BLOCK=256, note="sequential fold over tiles"))
 register("segment_sum_fold", "fp32", "sm90", _cfg(4, BLOCK=1024, note="sequential fold over tiles"))
 

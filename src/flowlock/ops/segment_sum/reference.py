@@ -20,3 +20,22 @@ def segment_sum_reference(values: torch.Tensor, index: torch.Tensor, num_segment
 def segment_sum_golden(values: torch.Tensor, index: torch.Tensor, num_segments: int) -> torch.Tensor:
     """``(R, N)`` fp64 exact-as-fp64 segment sums, the accuracy yardstick."""
     return _one_hot(index, num_segments).t() @ values.to(torch.float64)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, table, index):
+        ctx.save_for_backward(index)
+        ctx.num_rows, ctx.dtype = table.shape[0], table.dtype
+        return table[index.long()]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return segment_sum_golden(grad, index, ctx.num_rows).to(ctx.dtype), None
+
+
+def gather_rows_reference(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` whose backward is a segment sum in fp64 rounded once to the table dtype
+    (deterministic, unlike ``index_select``'s scatter-add backward)."""
+    return _GatherRows.apply(table, index)

@@ -1,0 +1,177 @@
+"""Triton RMSNorm with optional AdaLN modulation: row-pure forward, deterministic backward.
+
+Forward: a fixed number of rows per program (a config constant), each row reduced on its own with a
+fixed ``tl.sum`` tree over H, at PyTorch's rounding points (see ``reference.py``). Backward: one
+program per fixed 64-row tile walks its rows in ascending chunks, writes each row's dx (row-pure)
+and sums the rows' dweight terms in a fixed order into a tile partial; the
+partials are folded in ascending tile order by ``segment_sum_fold`` (``R = 1``). The modulation's
+table gradients are segment sums over all ``(batch x S)`` rows, also through ``segment_sum``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flowlock.config import launch_config
+from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum.triton import segment_sum_fold, segment_sum_fwd
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _modulation(n, shift_ptr, scale_ptr, index_ptr, rows, row_mask, S, stride_shift, stride_scale, cols, mask,
+                DTYPE: tl.constexpr):
+    """``n * (1 + scale[i]) + shift[i]`` with eager's three roundings to ``DTYPE``; ``i = index[row % S]``."""
+    seg = tl.load(index_ptr + rows % S, mask=row_mask, other=0).to(tl.int64)
+    scale = to_f32(tl.load(scale_ptr + seg[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0))
+    shift = to_f32(tl.load(shift_ptr + seg[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0))
+    product = round_f32(n * round_f32(1.0 + scale, DTYPE), DTYPE)
+    return round_f32(product + shift, DTYPE)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, y_ptr, rstd_ptr,
+    M, H, S, stride_shift, stride_scale, eps, h_float,
+    HAS_MOD: tl.constexpr, DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # ROWS rows per program, each reduced on its own along axis 1: a row's bits never see its neighbours.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < H)[None, :]
+    offs = rows[:, None] * H + cols[None, :]
+    x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
+    w = to_f32(tl.load(w_ptr + cols, mask=cols < H, other=0.0))
+    mean_square = tl.math.div_rn(tl.sum(x * x, axis=1), h_float)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
+    # PyTorch's fused CPU RMSNorm keeps x * rstd in fp32 and rounds only after the weight multiply.
+    y = round_f32((x * rstd[:, None]) * w[None, :], DTYPE)
+    if HAS_MOD:
+        y = _modulation(y, shift_ptr, scale_ptr, index_ptr, rows, row_mask, S, stride_shift, stride_scale, cols,
+                        mask, DTYPE)
+    tl.store(y_ptr + offs, from_f32(y, DTYPE), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    x_ptr, w_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, dx_ptr, normed_ptr, dw_partials_ptr,
+    M, H, S, stride_scale, h_float,
+    HAS_MOD: tl.constexpr, DTYPE: tl.constexpr, TILE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    tile = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    w = to_f32(tl.load(w_ptr + cols, mask=cols < H, other=0.0))
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # The tile's rows in ascending chunks of SUB_ROWS; each chunk's dweight terms meet in a fixed tl.sum tree.
+    for c in range(TILE_ROWS // SUB_ROWS):
+        rows = tile * TILE_ROWS + c * SUB_ROWS + tl.arange(0, SUB_ROWS)
+        row_mask = rows < M
+        mask = row_mask[:, None] & (cols < H)[None, :]
+        offs = rows[:, None] * H + cols[None, :]
+        x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
+        g = to_f32(tl.load(dy_ptr + offs, mask=mask, other=0.0))
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        x_hat = x * rstd[:, None]
+        if HAS_MOD:
+            seg = tl.load(index_ptr + rows % S, mask=row_mask, other=0).to(tl.int64)
+            scale = to_f32(tl.load(scale_ptr + seg[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0))
+            normed = round_f32(x_hat * w[None, :], DTYPE)
+            # The stored normalized value multiplies g in d_scale, exactly as eager's product backward.
+            tl.store(normed_ptr + offs, from_f32(normed, DTYPE), mask=mask)
+            # dL/dnormed stays in fp32 here (eager rounds it to DTYPE): more accurate, same bits every run.
+            g = g * round_f32(1.0 + scale, DTYPE)
+        u = g * w[None, :]
+        c_row = tl.math.div_rn(tl.sum(u * x_hat, axis=1), h_float)
+        dx = (u - x_hat * c_row[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + offs, from_f32(round_f32(dx, DTYPE), DTYPE), mask=mask)
+        dw += tl.sum(g * x_hat, axis=0)
+    tl.store(dw_partials_ptr + tile * H + cols, dw, mask=cols < H)
+
+
+def _block_h(h: int) -> int:
+    return triton.next_power_of_2(max(h, 1))
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, index: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y like x, rstd (M,) fp32)`` for contiguous ``x`` viewed as ``(M, H)``; modulated when
+    ``shift``/``scale`` (``(R, H)``, unit column stride) and ``index`` ``(S,)`` are
+    given, row ``m`` using ``index[m % S]``. Trusted: inputs are not validated."""
+    h = x.shape[-1]
+    m = x.numel() // h if h else 0
+    y = torch.empty_like(x)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0 or h == 0:
+        return y, rstd.zero_()
+    cfg = launch_config("rms_norm_fwd", x.dtype, arch_of(x))
+    has_mod = shift is not None
+    _rms_norm_fwd_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
+        x, weight, shift if has_mod else x, scale if has_mod else x, index if has_mod else rstd, y, rstd,
+        m, h, index.shape[0] if has_mod else 1, shift.stride(0) if has_mod else 0,
+        scale.stride(0) if has_mod else 0, eps, float(h),
+        HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], ROWS=cfg["ROWS"], BLOCK_H=_block_h(h),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # Eager rounds the modulation's product before the add: no fused multiply-add.
+        enable_fp_fusion=False,
+    )
+    return y, rstd
+
+
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                 shift: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx like x, dweight (H,) fp32, dshift, dscale (R, H) fp32 or None)``; dweight and the table
+    gradients are fixed-order sums over 64-row tiles. Trusted: inputs are not validated."""
+    h = x.shape[-1]
+    m = x.numel() // h if h else 0
+    dy = dy.contiguous()
+    cfg = launch_config("rms_norm_bwd", x.dtype, arch_of(x))
+    tiles = max(triton.cdiv(m, cfg["TILE_ROWS"]), 1)
+    dx = torch.empty_like(x)
+    partials = torch.empty((tiles, 1, h), dtype=torch.float32, device=x.device)
+    has_mod = shift is not None
+    normed = torch.empty((m, h) if has_mod else (0,), dtype=x.dtype, device=x.device)
+    if h > 0:
+        _rms_norm_bwd_kernel[(tiles,)](
+            x, weight, dy, rstd, scale if has_mod else x, index if has_mod else rstd, dx, normed, partials,
+            m, h, index.shape[0] if has_mod else 1, scale.stride(0) if has_mod else 0, float(h),
+            HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], TILE_ROWS=cfg["TILE_ROWS"], SUB_ROWS=cfg["SUB_ROWS"],
+            BLOCK_H=_block_h(h),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    dweight = segment_sum_fold(partials)[0]
+    if not has_mod:
+        return dx, dweight, None, None
+    rows = dy.reshape(m, h)
+    r = shift.shape[0]
+    dshift = segment_sum_fwd(rows, index, r, period=index.shape[0])
+    dscale = segment_sum_fwd(rows, index, r, other=normed, period=index.shape[0])
+    return dx, dweight, dshift, dscale
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd boundary of :func:`rms_norm_fwd` / :func:`rms_norm_bwd` (modulation optional)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shift, scale, index, eps):
+        y, rstd = rms_norm_fwd(x, weight, eps, shift, scale, index)
+        ctx.save_for_backward(x, weight, rstd, shift, scale, index)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd, shift, scale, index = ctx.saved_tensors
+        dx, dweight, dshift, dscale = rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
+        dweight = dweight.to(weight.dtype)
+        if shift is not None:
+            dshift, dscale = dshift.to(shift.dtype), dscale.to(scale.dtype)
+        return dx, dweight, dshift, dscale, None, None
