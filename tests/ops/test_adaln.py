@@ -215,6 +215,23 @@ def test_gradients_repeatable():
     assert_repeatable(lambda: _grads(_triton_modulation, temb, weight, bias, ti, tag, upstream)[1], runs=20)
 
 
+@pytest.mark.parametrize("trainable", ["temb", "params"])
+def test_backward_skips_unneeded_gradients_without_changing_the_rest(trainable):
+    temb, weight, bias = _params(2, 20, 24, seed=6)
+    ti, tag = _indices(7, 2, seed=6)
+    upstream = _upstream(7, 24, seed=6)
+    _, full = _grads(_triton_modulation, temb, weight, bias, ti, tag, upstream)
+    leaves = [temb.clone().requires_grad_(trainable == "temb"), weight.clone().requires_grad_(trainable == "params"),
+              bias.clone().requires_grad_(trainable == "params")]
+    outs = _triton_modulation(*leaves, ti, tag)
+    sum((o.double() * u.double()).sum() for o, u in zip(outs, upstream)).backward()
+    for leaf, ref in zip(leaves, full):
+        if leaf.requires_grad:
+            assert_bitwise_equal(leaf.grad, ref)
+        else:
+            assert leaf.grad is None
+
+
 def _bad_cases():
     temb, weight, bias = _params(2, 20, 24)
     ti, tag = _indices(7, 2)

@@ -150,30 +150,38 @@ def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     return out
 
 
-def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor,
-                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """VJP of the projection: grad (T, N) FP32 -> (d_temb (T, E) fp32, dW (N, E) bf16, db (N,) bf16)."""
+def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, weight: torch.Tensor,
+                    need_temb: bool = True, need_params: bool = True
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """VJP of the projection: grad (T, N) FP32 -> (d_temb (T, E) fp32, dW (N, E) bf16, db (N,) bf16).
+
+    ``need_temb=False`` skips the pass that re-reads the weight (d_temb is None); ``need_params=False``
+    skips dW and db (None), e.g. for a frozen projection.
+    """
     grad = grad.contiguous()
     t, e = act.shape
     n = weight.shape[0]
-    cfg = launch_config("adaln_proj_bwd_act", weight.dtype, arch_of(weight))
-    chunks = triton.cdiv(n, cfg["CHUNK_N"])
-    partials = torch.empty((chunks, t, e), dtype=torch.float32, device=grad.device)
-    grid = (chunks, triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(e, cfg["BLOCK_K"]))
-    _adaln_table_bwd_kernel[grid](grad, weight, partials, t, n, e,
-                                  BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                                  CHUNK_N=cfg["CHUNK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    d_temb = torch.empty((t, e), dtype=torch.float32, device=grad.device)
-    fold_block = 256
-    _adaln_table_bwd_fold_kernel[(triton.cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
-                                                                     BLOCK=fold_block)
-    wcfg = launch_config("adaln_proj_bwd_weight", weight.dtype, arch_of(weight))
-    d_weight = torch.empty((n, e), dtype=torch.bfloat16, device=grad.device)
-    d_bias = torch.empty((n,), dtype=torch.bfloat16, device=grad.device)
-    wgrid = (triton.cdiv(n, wcfg["BLOCK_N"]), triton.cdiv(e, wcfg["BLOCK_K"]))
-    _adaln_table_bwd_weight_kernel[wgrid](grad, act, d_weight, d_bias, t, n, e,
-                                          BLOCK_N=wcfg["BLOCK_N"], BLOCK_K=wcfg["BLOCK_K"],
-                                          num_warps=wcfg.num_warps, num_stages=wcfg.num_stages)
+    d_temb = d_weight = d_bias = None
+    if need_temb:
+        cfg = launch_config("adaln_proj_bwd_act", weight.dtype, arch_of(weight))
+        chunks = triton.cdiv(n, cfg["CHUNK_N"])
+        partials = torch.empty((chunks, t, e), dtype=torch.float32, device=grad.device)
+        grid = (chunks, triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(e, cfg["BLOCK_K"]))
+        _adaln_table_bwd_kernel[grid](grad, weight, partials, t, n, e,
+                                      BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                      CHUNK_N=cfg["CHUNK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        d_temb = torch.empty((t, e), dtype=torch.float32, device=grad.device)
+        fold_block = 256
+        _adaln_table_bwd_fold_kernel[(triton.cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
+                                                                         BLOCK=fold_block)
+    if need_params:
+        wcfg = launch_config("adaln_proj_bwd_weight", weight.dtype, arch_of(weight))
+        d_weight = torch.empty((n, e), dtype=torch.bfloat16, device=grad.device)
+        d_bias = torch.empty((n,), dtype=torch.bfloat16, device=grad.device)
+        wgrid = (triton.cdiv(n, wcfg["BLOCK_N"]), triton.cdiv(e, wcfg["BLOCK_K"]))
+        _adaln_table_bwd_weight_kernel[wgrid](grad, act, d_weight, d_bias, t, n, e,
+                                              BLOCK_N=wcfg["BLOCK_N"], BLOCK_K=wcfg["BLOCK_K"],
+                                              num_warps=wcfg.num_warps, num_stages=wcfg.num_stages)
     return d_temb, d_weight, d_bias
 
 
@@ -215,7 +223,8 @@ class AdalnTableFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         temb, act, weight = ctx.saved_tensors
-        return adaln_table_bwd(grad, temb, act, weight)
+        need = ctx.needs_input_grad
+        return adaln_table_bwd(grad, temb, act, weight, need[0], need[1] or need[2])
 
 
 class AdalnModulationFunction(torch.autograd.Function):
@@ -238,5 +247,7 @@ class AdalnModulationFunction(torch.autograd.Function):
             return None, None, None, None, None
         rows = timestep_indices.long() * 3 + token_tags.long()
         d_table = adaln_modulation_bwd(grads, rows, 3 * t, h)
-        d_temb, d_weight, d_bias = adaln_table_bwd(d_table.view(t, 18 * h), temb, act, weight)
+        need = ctx.needs_input_grad
+        d_temb, d_weight, d_bias = adaln_table_bwd(d_table.view(t, 18 * h), temb, act, weight,
+                                                   need[0], need[1] or need[2])
         return d_temb, d_weight, d_bias, None, None

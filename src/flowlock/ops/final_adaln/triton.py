@@ -28,5 +28,9 @@ class FinalAdalnOutFunction(torch.autograd.Function):
         dx, d_norm_weight, d_shift, d_scale = rms_norm_bwd(dy, x, norm_weight, rstd, table[:, :h], table[:, h:],
                                                            timestep_indices)
         # The FP32 shift/scale sums go straight into the projection backward, never through BF16.
-        d_temb, d_weight, d_bias = adaln_table_bwd(torch.cat([d_shift, d_scale], dim=1), temb, act, weight)
+        need = ctx.needs_input_grad
+        d_temb = d_weight = d_bias = None
+        if need[1] or need[3] or need[4]:
+            d_temb, d_weight, d_bias = adaln_table_bwd(torch.cat([d_shift, d_scale], dim=1), temb, act, weight,
+                                                       need[1], need[3] or need[4])
         return dx, d_temb, d_norm_weight.to(norm_weight.dtype), d_weight, d_bias, None, None
