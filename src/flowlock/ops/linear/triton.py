@@ -378,6 +378,7 @@ class LinearFunction(torch.autograd.Function):
         return linear_fwd(x2d, weight, bias, out_dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x2d, weight = ctx.saved_tensors
         dy = dy.contiguous()
