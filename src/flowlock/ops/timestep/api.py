@@ -6,7 +6,7 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._validate import check_finite_range, check_tensor
-from flowlock.ops.timestep.reference import CHANNELS, timestep_mlp_reference, timestep_sinusoid_reference
+from flowlock.ops.timestep.reference import timestep_mlp_reference, timestep_sinusoid_reference
 from flowlock.ops.timestep.triton import TimestepMlpFunction, TimestepSinusoidFunction
 
 
@@ -64,5 +64,3 @@ def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
         return TimestepMlpFunction.apply(x, w1, b1, w2, b2)
     return timestep_mlp_reference(x, w1, b1, w2, b2)
 
-
-__all__ = ["CHANNELS", "timestep_mlp", "timestep_sinusoid"]
