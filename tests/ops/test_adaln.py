@@ -232,6 +232,21 @@ def test_backward_skips_unneeded_gradients_without_changing_the_rest(trainable):
             assert leaf.grad is None
 
 
+def test_compiled_equals_eager():
+    """torch.compile sees the node as opaque custom ops: same outputs and gradients as eager."""
+    temb, weight, bias = _params(2, 20, 24, seed=13)
+    ti, tag = _indices(7, 2, seed=13)
+    upstream = _upstream(7, 24, seed=13)
+
+    def fn(temb, weight, bias, ti, tag):
+        with flowlock.use_backend("triton"):
+            return adaln_modulation(temb * 1, weight, bias, ti, tag, check_indices=False)
+    eager = _grads(fn, temb, weight, bias, ti, tag, upstream)
+    torch._dynamo.reset()
+    compiled = _grads(torch.compile(fn, backend="aot_eager", fullgraph=True), temb, weight, bias, ti, tag, upstream)
+    assert_bitwise_equal((*compiled[0], *compiled[1]), (*eager[0], *eager[1]), "compiled vs eager")
+
+
 def _bad_cases():
     temb, weight, bias = _params(2, 20, 24)
     ti, tag = _indices(7, 2)

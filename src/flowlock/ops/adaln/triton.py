@@ -202,13 +202,85 @@ def adaln_modulation_fwd(table: torch.Tensor, timestep_indices: torch.Tensor,
     return tuple(outs)
 
 
-def adaln_modulation_bwd(grads: tuple[torch.Tensor | None, ...], rows: torch.Tensor, num_rows: int,
-                         h: int) -> torch.Tensor:
-    """Six ``(S, H)`` gradients -> the ``(3T, 6H)`` FP32 table gradient by a deterministic segmented sum."""
-    s = rows.shape[0]
-    ref = next(g for g in grads if g is not None)
-    parts = [g if g is not None else torch.zeros((s, h), dtype=ref.dtype, device=ref.device) for g in grads]
-    return segment_sum_fwd(torch.cat(parts, dim=1), rows, num_rows)
+def adaln_modulation_bwd(grads: tuple[torch.Tensor, ...], rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Six ``(S, H)`` gradients -> the ``(3T, 6H)`` FP32 table gradient by a deterministic segmented sum
+    (``rows``: the ``(S,)`` table row ``ti*3 + tag`` of each gradient row)."""
+    return segment_sum_fwd(torch.cat(grads, dim=1), rows, num_rows)
+
+
+@torch.library.custom_op("flowlock::adaln_table_fwd", mutates_args=())
+def _adaln_table_fwd_op(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The projection as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return adaln_table_fwd(act, weight, bias)
+
+
+@_adaln_table_fwd_op.register_fake
+def _(act, weight, bias):
+    return act.new_empty((act.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("flowlock::adaln_table_bwd_temb", mutates_args=())
+def _adaln_table_bwd_temb_op(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor,
+                             weight: torch.Tensor) -> torch.Tensor:
+    """``d_temb`` of the projection (see :func:`adaln_table_bwd`)."""
+    return adaln_table_bwd(grad, temb, act, weight, need_temb=True, need_params=False)[0]
+
+
+@_adaln_table_bwd_temb_op.register_fake
+def _(grad, temb, act, weight):
+    return temb.new_empty(temb.shape)
+
+
+@torch.library.custom_op("flowlock::adaln_table_bwd_params", mutates_args=())
+def _adaln_table_bwd_params_op(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor,
+                               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dW, db)`` of the projection (see :func:`adaln_table_bwd`)."""
+    _, d_weight, d_bias = adaln_table_bwd(grad, temb, act, weight, need_temb=False, need_params=True)
+    return d_weight, d_bias
+
+
+@_adaln_table_bwd_params_op.register_fake
+def _(grad, temb, act, weight):
+    return weight.new_empty(weight.shape), weight.new_empty((weight.shape[0],))
+
+
+@torch.library.custom_op("flowlock::adaln_modulation_fwd", mutates_args=())
+def _adaln_modulation_fwd_op(table: torch.Tensor, timestep_indices: torch.Tensor,
+                             token_tags: torch.Tensor) -> list[torch.Tensor]:
+    """The six-way row gather as one opaque op."""
+    return list(adaln_modulation_fwd(table, timestep_indices, token_tags))
+
+
+@_adaln_modulation_fwd_op.register_fake
+def _(table, timestep_indices, token_tags):
+    shape = (timestep_indices.shape[0], table.shape[1] // 6)
+    return [table.new_empty(shape, dtype=torch.bfloat16) for _ in range(6)]
+
+
+@torch.library.custom_op("flowlock::adaln_modulation_bwd", mutates_args=())
+def _adaln_modulation_bwd_op(grads: list[torch.Tensor], rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The segmented sum of the six row gradients as one opaque op."""
+    return adaln_modulation_bwd(tuple(grads), rows, num_rows)
+
+
+@_adaln_modulation_bwd_op.register_fake
+def _(grads, rows, num_rows):
+    return grads[0].new_empty((num_rows, 6 * grads[0].shape[1]), dtype=torch.float32)
+
+
+def projection_vjp(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, weight: torch.Tensor,
+                   need_temb: bool, need_params: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(d_temb, dW, db)`` through the custom ops, ``None`` where not needed."""
+    d_temb = _adaln_table_bwd_temb_op(grad, temb, act, weight) if need_temb else None
+    d_weight, d_bias = _adaln_table_bwd_params_op(grad, temb, act, weight) if need_params else (None, None)
+    return d_temb, d_weight, d_bias
+
+
+def projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act, table)``: the BF16 activation and the ``(T, N)`` FP32 table, through the custom op."""
+    act = silu_act(temb)
+    return act, _adaln_table_fwd_op(act, weight, bias)
 
 
 class AdalnTableFunction(torch.autograd.Function):
@@ -216,15 +288,15 @@ class AdalnTableFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, temb, weight, bias):
-        act = silu_act(temb)
+        act, table = projection(temb, weight, bias)
         ctx.save_for_backward(temb, act, weight)
-        return adaln_table_fwd(act, weight, bias)
+        return table
 
     @staticmethod
     def backward(ctx, grad):
         temb, act, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
-        return adaln_table_bwd(grad, temb, act, weight, need[0], need[1] or need[2])
+        return projection_vjp(grad.contiguous(), temb, act, weight, need[0], need[1] or need[2])
 
 
 class AdalnModulationFunction(torch.autograd.Function):
@@ -232,22 +304,22 @@ class AdalnModulationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, temb, weight, bias, timestep_indices, token_tags):
-        act = silu_act(temb)
-        t = temb.shape[0]
-        table = adaln_table_fwd(act, weight, bias).view(3 * t, -1)
+        act, table = projection(temb, weight, bias)
         ctx.save_for_backward(temb, act, weight, timestep_indices, token_tags)
-        return adaln_modulation_fwd(table, timestep_indices, token_tags)
+        return tuple(_adaln_modulation_fwd_op(table.view(3 * temb.shape[0], -1), timestep_indices, token_tags))
 
     @staticmethod
     def backward(ctx, *grads):
         temb, act, weight, timestep_indices, token_tags = ctx.saved_tensors
         t = temb.shape[0]
         h = weight.shape[0] // 18
+        s = timestep_indices.shape[0]
         if all(g is None for g in grads):
             return None, None, None, None, None
+        grads = [g.contiguous() if g is not None else act.new_zeros((s, h)) for g in grads]
         rows = timestep_indices.long() * 3 + token_tags.long()
-        d_table = adaln_modulation_bwd(grads, rows, 3 * t, h)
+        d_table = _adaln_modulation_bwd_op(grads, rows, 3 * t)
         need = ctx.needs_input_grad
-        d_temb, d_weight, d_bias = adaln_table_bwd(d_table.view(t, 18 * h), temb, act, weight,
-                                                   need[0], need[1] or need[2])
+        d_temb, d_weight, d_bias = projection_vjp(d_table.view(t, 18 * h), temb, act, weight,
+                                                  need[0], need[1] or need[2])
         return d_temb, d_weight, d_bias, None, None
