@@ -29,6 +29,7 @@ import functools
 import torch
 from diffusers.models.activations import SwiGLU
 from diffusers.models.attention import FeedForward
+from diffusers.models.modeling_utils import get_parameter_dtype
 from diffusers.models.transformers.transformer_minimax_h3 import (
     MINIMAX_H3_MODALITY_NUM,
     MiniMaxH3AttnProcessor,
@@ -42,6 +43,7 @@ from flowlock.modes import fallback_or_raise
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.attention import attention
 from flowlock.ops.final_adaln import final_adaln_out
+from flowlock.ops.gate_residual import gate_residual
 from flowlock.ops.linear import linear
 from flowlock.ops.qk_norm_rope import qk_norm_rope
 from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
@@ -218,9 +220,6 @@ def _refiner_block(run: _Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor
 
 def _block(run: _Run, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Imported here while the gate_residual family lands (norms engineer); move up once it has.
-    from flowlock.ops.gate_residual import gate_residual
-
     if run.runs_own(block):
         return block(x, temb, adaln_indices, (cos, sin))
     proj = block.adaln_proj.linear
@@ -287,9 +286,9 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
 
     cos, sin = rope_cos_sin(model.rope.inv_freq, position_ids)
 
-    video = run.linear(model.proj_in, hidden_states.to(model.proj_in.weight.dtype))
-    audio = run.linear(model.audio_proj_in, audio_hidden_states.to(model.audio_proj_in.weight.dtype))
-    text = run.linear(model.context_embedder, encoder_hidden_states.to(model.context_embedder.weight.dtype))
+    video = run.linear(model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
+    audio = run.linear(model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
+    text = run.linear(model.context_embedder, encoder_hidden_states.to(get_parameter_dtype(model.context_embedder)))
     refiner = model.token_refiner
     for block in refiner.refiner_blocks:
         if torch.is_grad_enabled() and refiner.gradient_checkpointing:
@@ -307,15 +306,16 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     for block in model.transformer_blocks:
         x = _checkpointed(model, functools.partial(_block, run, block), x, temb, adaln_indices, cos, sin)
 
-    head_dtype = model.proj_out.weight.dtype
     if run.runs_own(model.norm_out):
         x = model.norm_out(x, temb, timestep_indices)
     else:
         norm_out = model.norm_out
         x = final_adaln_out(x, temb, norm_out.norm.weight, norm_out.linear.weight, norm_out.linear.bias,
                             timestep_indices, norm_out.norm.eps, check_indices=False)
+    # diffusers casts to proj_out's dtype for both heads; gathering first moves the same cast.
+    head_dtype = get_parameter_dtype(model.proj_out)
     video_rows = gather_rows(x, video_indices, check_indices=False).to(head_dtype)
-    audio_rows = gather_rows(x, audio_indices, check_indices=False).to(model.audio_proj_out.weight.dtype)
+    audio_rows = gather_rows(x, audio_indices, check_indices=False).to(head_dtype)
     video_out = run.linear(model.proj_out, video_rows)
     audio_out = run.linear(model.audio_proj_out, audio_rows)
     if not return_dict:
