@@ -46,9 +46,12 @@ def _segment_sum_partials_kernel(
 def _segment_sum_fold_kernel(partials_ptr, out_ptr, num_tiles, RN, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < RN
-    acc = tl.load(partials_ptr + offs, mask=mask, other=0.0)
-    for t in range(1, num_tiles):
-        acc += tl.load(partials_ptr + t * RN + offs, mask=mask, other=0.0)
+    ptrs = partials_ptr + offs
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for _ in range(1, num_tiles):
+        # Advance the pointer rather than forming t * RN, which can pass 2^31 in int32.
+        ptrs += RN
+        acc += tl.load(ptrs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc, mask=mask)
 
 
