@@ -230,23 +230,41 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0 if results["strict"]["divergence"] is None else 1
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    from flowlock.rl.consistency import run_consistency
+def _suite_chain(model) -> dict:
     from flowlock.validate.chain import chain_replay
 
+    chain = chain_replay(model)
+    return {"passed": chain["ok"], "first_drifting_stage": chain["first_drifting_stage"]}
+
+
+def _suite_trace(model) -> dict:
+    div = run_traces(model)["strict"]["divergence"]
+    return {"passed": div is None, "divergence": div}
+
+
+def _suite_consistency(model) -> dict:
+    from flowlock.rl.consistency import run_consistency
+
+    strict = run_consistency(model, n_samples=3, steps=2, mode="strict")
+    return {"passed": strict["bitwise_equal"], "max_abs_dlogp": strict["max_abs_dlogp"]}
+
+
+SUITES = (("chain", _suite_chain), ("trace_strict", _suite_trace), ("rl_consistency_strict", _suite_consistency))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
     device = _device(args.device)
     model, origin = _load_model(None, device)
     print(f"flowlock check: {origin} on {device}")
     results: dict[str, dict] = {}
-    chain = chain_replay(model)
-    results["chain"] = {"passed": chain["ok"], "first_drifting_stage": chain["first_drifting_stage"]}
-    traces = run_traces(model)
-    results["trace_strict"] = {"passed": traces["strict"]["divergence"] is None,
-                               "divergence": traces["strict"]["divergence"]}
-    strict = run_consistency(model, n_samples=3, steps=2, mode="strict")
-    results["rl_consistency_strict"] = {"passed": strict["bitwise_equal"], "max_abs_dlogp": strict["max_abs_dlogp"]}
-    for name, result in results.items():
-        print(f"  {'PASS' if result['passed'] else 'FAIL'}  {name}")
+    for name, suite in SUITES:
+        try:
+            results[name] = suite(model)
+        except Exception as err:  # a suite that cannot run is a failed check, reported with its cause
+            results[name] = {"passed": False, "error": f"{type(err).__name__}: {err}"}
+        status = "PASS" if results[name]["passed"] else "FAIL"
+        detail = f"  ({results[name]['error']})" if "error" in results[name] else ""
+        print(f"  {status}  {name}{detail}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0 if all(r["passed"] for r in results.values()) else 1
