@@ -113,6 +113,26 @@ def test_gradients_repeatable():
     assert_repeatable(run, runs=5)
 
 
+def test_compiled_equals_eager():
+    """torch.compile sees each copy as one opaque custom op: same outputs and gradients as eager."""
+    x = torch.randn(2, 9, 40).to(torch.bfloat16).requires_grad_()
+    extra = torch.randn(2, 2, 40).to(torch.bfloat16).requires_grad_()
+    index, rest = torch.tensor([8, 0, 3, 5]), torch.tensor([1, 7])
+
+    def fn(x, extra):
+        with flowlock.use_backend("triton"):
+            picked = gather_rows(x, index, check_indices=False)
+            return scatter_rows([picked, extra], [index, rest], 9, check_indices=False)
+
+    def run(f):
+        out = f(x, extra)
+        return (out, *torch.autograd.grad(out, (x, extra), torch.ones_like(out)))
+
+    eager = run(fn)
+    compiled = run(torch.compile(fn, backend="aot_eager", fullgraph=True))
+    assert_bitwise_equal(compiled, eager, "compiled vs eager")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_rows(backend):
     x = torch.randn(2, 5, 8)

@@ -93,6 +93,28 @@ def scatter_rows_fwd(parts: list[torch.Tensor], indices: list[torch.Tensor], seq
     return out
 
 
+@torch.library.custom_op("flowlock::gather_rows_fwd", mutates_args=())
+def _gather_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The gather as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return gather_rows_fwd(x, index)
+
+
+@_gather_rows_op.register_fake
+def _(x, index):
+    return x.new_empty((x.shape[0], index.shape[0], x.shape[2]))
+
+
+@torch.library.custom_op("flowlock::scatter_rows_fwd", mutates_args=())
+def _scatter_rows_op(parts: list[torch.Tensor], indices: list[torch.Tensor], seq_len: int) -> torch.Tensor:
+    """The scatter (all parts, zero gaps) as one opaque op."""
+    return scatter_rows_fwd(parts, indices, seq_len)
+
+
+@_scatter_rows_op.register_fake
+def _(parts, indices, seq_len):
+    return parts[0].new_empty((parts[0].shape[0], seq_len, parts[0].shape[2]))
+
+
 class GatherRowsFunction(torch.autograd.Function):
     """Gather forward; backward scatters the output gradient into zeros (a copy, no accumulation)."""
 
@@ -100,12 +122,12 @@ class GatherRowsFunction(torch.autograd.Function):
     def forward(ctx, x, index):
         ctx.save_for_backward(index)
         ctx.seq_len = x.shape[1]
-        return gather_rows_fwd(x, index)
+        return _gather_rows_op(x, index)
 
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        return scatter_rows_fwd([grad.contiguous()], [index], ctx.seq_len), None
+        return _scatter_rows_op([grad.contiguous()], [index], ctx.seq_len), None
 
 
 class ScatterRowsFunction(torch.autograd.Function):
@@ -115,11 +137,11 @@ class ScatterRowsFunction(torch.autograd.Function):
     def forward(ctx, seq_len, num_parts, *tensors):
         parts, indices = list(tensors[:num_parts]), list(tensors[num_parts:])
         ctx.save_for_backward(*indices)
-        return scatter_rows_fwd(parts, indices, seq_len)
+        return _scatter_rows_op(parts, indices, seq_len)
 
     @staticmethod
     def backward(ctx, grad):
         indices = ctx.saved_tensors
         grad = grad.contiguous()
-        grads = tuple(gather_rows_fwd(grad, index) for index in indices)
+        grads = tuple(_gather_rows_op(grad, index) for index in indices)
         return (None, None, *grads, *(None for _ in indices))
