@@ -119,12 +119,19 @@ def _upstream(s, h, seed):
     return [torch.randn(s, h, generator=g).to(torch.bfloat16) for _ in range(6)]
 
 
+def _reference_modulation(*args):
+    with flowlock.use_backend("reference"):
+        return adaln_modulation(*args)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("t,e,h,s", [(1, 20, 24, 7), (2, 36, 40, 33), (3, 20, 24, 33)])
-def test_forward_and_gradients_within_budget_of_fp64_golden(t, e, h, s):
+def test_forward_and_gradients_within_budget_of_fp64_golden(backend, t, e, h, s):
     temb, weight, bias = _params(t, e, h, seed=t)
     ti, tag = _indices(s, t, seed=t)
     upstream = _upstream(s, h, seed=t)
-    outs, grads = _grads(_triton_modulation, temb, weight, bias, ti, tag, upstream)
+    fn = _triton_modulation if backend == "triton" else _reference_modulation
+    outs, grads = _grads(fn, temb, weight, bias, ti, tag, upstream)
     eager_outs, eager_grads = _grads(_diffusers_eager, temb, weight, bias, ti, tag, upstream)
     golden_outs, golden_grads = _grads(adaln_modulation_golden, temb.double(), weight.double(), bias.double(),
                                        ti, tag, upstream)
@@ -195,6 +202,24 @@ def test_table_rows_are_pure_and_harness_catches_planted_split():
     temb, weight, bias = _params(16, 36, 24, seed=9)
     assert_batch_invariant(_row_table(weight, bias), temb)
     assert batch_invariance_failures(_planted_row_table(weight, bias), temb), "harness missed a planted split"
+
+
+def test_rows_pure_across_row_tiles():
+    # T = 17 spans two 16-row tiles: every row still equals that row computed alone.
+    temb, weight, bias = _params(17, 20, 24, seed=14)
+    table = _triton_table(temb, weight, bias).view(17, -1)
+    alone = torch.cat([_triton_table(temb[i:i + 1], weight, bias).view(1, -1) for i in range(17)])
+    assert_bitwise_equal(table, alone, "T = 17 vs rows alone")
+
+
+def test_empty_sequence():
+    temb, weight, bias = _params(2, 20, 24, seed=15)
+    empty = torch.zeros(0, dtype=torch.long)
+    leaf = temb.clone().requires_grad_(True)
+    outs = _triton_modulation(leaf, weight, bias, empty, empty)
+    assert all(o.shape == (0, 24) for o in outs)
+    sum(o.float().sum() for o in outs).backward()
+    assert torch.equal(leaf.grad, torch.zeros_like(temb))
 
 
 def test_d_temb_rows_are_pure():

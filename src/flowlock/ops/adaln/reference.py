@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from flowlock.ops._rounding import st_round
+from flowlock.ops.segment_sum.reference import gather_rows_reference
 
 
 def _projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -41,30 +42,14 @@ def adaln_table_golden(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return adaln_projection_golden(temb, weight, bias).view(3 * temb.shape[0], -1)
 
 
-class _RowGather(torch.autograd.Function):
-    """``table[rows]`` whose backward is the deterministic segmented sum, not a scatter-add."""
-
-    @staticmethod
-    def forward(ctx, table, rows):
-        ctx.save_for_backward(rows)
-        ctx.num_rows = table.shape[0]
-        return table[rows]
-
-    @staticmethod
-    def backward(ctx, grad):
-        from flowlock.ops.segment_sum.reference import segment_sum_reference
-
-        (rows,) = ctx.saved_tensors
-        return segment_sum_reference(grad, rows, ctx.num_rows).to(grad.dtype), None
-
-
 def adaln_modulation_reference(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                                timestep_indices: torch.Tensor, token_tags: torch.Tensor
                                ) -> tuple[torch.Tensor, ...]:
     """Six ``(S, H)`` BF16 tensors: rows ``ti*3+tag`` of the table's six column chunks."""
     table = adaln_table_reference(temb, weight, bias)
     rows = timestep_indices.long() * 3 + token_tags.long()
-    return tuple(c.to(torch.bfloat16) for c in _RowGather.apply(table, rows).chunk(6, dim=-1))
+    # The gather's backward is a deterministic segmented sum (never index_select's scatter-add).
+    return tuple(c.to(torch.bfloat16) for c in gather_rows_reference(table, rows).chunk(6, dim=-1))
 
 
 def adaln_modulation_golden(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
