@@ -1,6 +1,8 @@
 """flowlock.patch on the tiny H3: reversible by identity, state untouched, provider A/B, strict
 failures named, structural inputs validated before any op runs."""
 
+import copy
+
 import pytest
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor
@@ -181,3 +183,17 @@ def test_lora_scale_in_attention_kwargs_is_strict_error():
     model, inputs = tiny_h3(), tiny_inputs(1)
     with flowlock.patch(model), pytest.raises(flowlock.StrictModeError, match="LoRA scale"):
         model(**inputs, attention_kwargs={"scale": 0.5})
+
+
+def test_deepcopy_of_a_patched_model_runs_strict_on_its_own_weights():
+    model, inputs = tiny_h3(), tiny_inputs(1)
+    with flowlock.patch(model):
+        clone = copy.deepcopy(model)
+        with torch.no_grad():
+            clone.proj_out.bias += 1.0
+        with flowlock.mode("strict") as frame:
+            shifted = _outputs(clone, inputs)
+        base = _outputs(model, inputs)
+    assert any(op == "linear" for op, _ in frame.ran)
+    torch.testing.assert_close(shifted[0] - base[0], torch.ones_like(base[0]), rtol=0, atol=1e-5)
+    assert_bitwise_equal(shifted[1], base[1], "audio head untouched")
