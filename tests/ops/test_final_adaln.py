@@ -105,11 +105,17 @@ def _golden(x, temb, nw, w, b, ti):
 NAMES = ("dx", "d_temb", "d_norm_weight", "dW", "db")
 
 
+def _reference(x, temb, nw, w, b, ti):
+    with flowlock.use_backend("reference"):
+        return final_adaln_out(x, temb, nw, w, b, ti, EPS)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("b,s,t,e,h", [(1, 1, 1, 20, 24), (2, 33, 2, 36, 40), (3, 33, 3, 20, 24)])
-def test_forward_and_gradients_within_budget_and_no_worse_than_diffusers(b, s, t, e, h):
+def test_forward_and_gradients_within_budget_and_no_worse_than_diffusers(backend, b, s, t, e, h):
     args = _inputs(b, s, t, e, h, seed=b + s)
     upstream = torch.randn(b, s, h, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    y, grads = _grads(_triton, args, upstream)
+    y, grads = _grads(_triton if backend == "triton" else _reference, args, upstream)
     y_eager, eager = _grads(_eager, args, upstream)
     y_gold, golden = _grads(_golden, args, upstream, double=True)
     assert_within_budget(y, y_gold, baseline=y_eager, what="y")
@@ -117,6 +123,11 @@ def test_forward_and_gradients_within_budget_and_no_worse_than_diffusers(b, s, t
         assert mine.dtype == base.dtype, name
         assert_within_budget(mine, gold, baseline=base, what=name)
         assert max_abs_error(mine, gold) <= max_abs_error(base, gold), name
+
+
+def test_unbatched_x_equals_a_batch_of_one():
+    x, temb, nw, w, b, ti = _inputs(1, 7, 2, 20, 24, seed=9)
+    assert_bitwise_equal(_triton(x[0], temb, nw, w, b, ti), _triton(x, temb, nw, w, b, ti)[0])
 
 
 def _two_node(x, temb, nw, w, b, ti):
