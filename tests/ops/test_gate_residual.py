@@ -151,3 +151,16 @@ def test_unchecked_indices_skip_only_the_range_check():
         with pytest.raises(ValueError, match="index"):
             gate_residual(residual, table[:, :24], y, index[:6], check_indices=False)
     assert_bitwise_equal(out, _eager(residual, table[:, :24], y, index))
+
+
+def test_compiled_equals_eager():
+    """torch.compile sees forward and backward as opaque custom ops: same bits as eager."""
+    residual, table, y, index, dout = _case((2,), 33, 40, 9, torch.bfloat16)
+
+    def fn(a, b, c, i):
+        with flowlock.use_backend("triton"):
+            return gate_residual(a, b, c, i, check_indices=False)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    gate = table[:, :40]
+    assert_bitwise_equal(_run(compiled, residual, gate, y, index, dout), _run(fn, residual, gate, y, index, dout))

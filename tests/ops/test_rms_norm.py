@@ -229,3 +229,15 @@ def test_bad_inputs_raise_before_launch_and_leave_inputs_unchanged(backend):
                 call()
     for t, b in zip(inputs, before):
         assert_bitwise_equal(t, b)
+
+
+def test_compiled_equals_eager():
+    """torch.compile sees forward and backward as opaque custom ops: same bits as eager."""
+    x, weight, table, index, dy = _case((2,), 33, 40, 9, torch.bfloat16)
+
+    def fn(a, w, tb):
+        n = _triton(rms_norm, a, w, EPS)
+        return n + _triton(rms_norm_modulate, a, w, *_views(tb, 40), index, EPS, check_indices=False)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    assert_bitwise_equal(_grads(compiled, [x, weight, table], dy)[1], _grads(fn, [x, weight, table], dy)[1])

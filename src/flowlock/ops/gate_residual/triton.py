@@ -74,16 +74,41 @@ def gate_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, i
     return dy, dgate
 
 
+@torch.library.custom_op("flowlock::gate_residual_fwd", mutates_args=())
+def _gate_residual_fwd_op(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
+                          ) -> torch.Tensor:
+    """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return gate_residual_fwd(residual, gate, y, index)
+
+
+@_gate_residual_fwd_op.register_fake
+def _(residual, gate, y, index):
+    return residual.new_empty(residual.shape)
+
+
+@torch.library.custom_op("flowlock::gate_residual_bwd", mutates_args=())
+def _gate_residual_bwd_op(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_y, d_gate in gate.dtype)``."""
+    dy, dgate = gate_residual_bwd(dout, gate, y, index)
+    return dy, dgate.to(gate.dtype)
+
+
+@_gate_residual_bwd_op.register_fake
+def _(dout, gate, y, index):
+    return y.new_empty(y.shape), gate.new_empty(gate.shape)
+
+
 class GateResidualFunction(torch.autograd.Function):
-    """Autograd boundary of :func:`gate_residual_fwd` / :func:`gate_residual_bwd`."""
+    """Autograd boundary of the gated residual; d_residual is the incoming gradient itself."""
 
     @staticmethod
     def forward(ctx, residual, gate, y, index):
         ctx.save_for_backward(gate, y, index)
-        return gate_residual_fwd(residual, gate, y, index)
+        return _gate_residual_fwd_op(residual, gate, y, index)
 
     @staticmethod
     def backward(ctx, dout):
         gate, y, index = ctx.saved_tensors
-        dy, dgate = gate_residual_bwd(dout, gate, y, index)
-        return dout, dgate.to(gate.dtype), dy, None
+        dy, dgate = _gate_residual_bwd_op(dout.contiguous(), gate, y, index)
+        return dout, dgate, dy, None

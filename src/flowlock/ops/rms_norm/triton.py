@@ -158,20 +158,84 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     return dx, dweight, dshift, dscale
 
 
+@torch.library.custom_op("flowlock::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return rms_norm_fwd(x, weight, eps)
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty((x.numel() // max(x.shape[-1], 1),), dtype=torch.float32)
+
+
+@torch.library.custom_op("flowlock::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight in weight.dtype)``."""
+    dx, dweight, _, _ = rms_norm_bwd(dy, x, weight, rstd)
+    return dx, dweight.to(weight.dtype)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+@torch.library.custom_op("flowlock::rms_norm_modulate_fwd", mutates_args=())
+def _rms_norm_modulate_fwd_op(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                              index: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` of the modulated norm as one opaque op."""
+    return rms_norm_fwd(x, weight, eps, shift, scale, index)
+
+
+@_rms_norm_modulate_fwd_op.register_fake
+def _(x, weight, shift, scale, index, eps):
+    return x.new_empty(x.shape), x.new_empty((x.numel() // max(x.shape[-1], 1),), dtype=torch.float32)
+
+
+@torch.library.custom_op("flowlock::rms_norm_modulate_bwd", mutates_args=())
+def _rms_norm_modulate_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                              shift: torch.Tensor, scale: torch.Tensor, index: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dshift, dscale)``, each parameter gradient rounded once to its tensor's dtype."""
+    dx, dweight, dshift, dscale = rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
+    return dx, dweight.to(weight.dtype), dshift.to(shift.dtype), dscale.to(scale.dtype)
+
+
+@_rms_norm_modulate_bwd_op.register_fake
+def _(dy, x, weight, rstd, shift, scale, index):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape), shift.new_empty(shift.shape),
+            scale.new_empty(scale.shape))
+
+
 class RMSNormFunction(torch.autograd.Function):
-    """Autograd boundary of :func:`rms_norm_fwd` / :func:`rms_norm_bwd` (modulation optional)."""
+    """Autograd boundary of the plain norm: ``(x, weight, eps) -> y``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _rms_norm_fwd_op(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = _rms_norm_bwd_op(dy.contiguous(), x, weight, rstd)
+        return dx, dweight, None
+
+
+class RMSNormModulateFunction(torch.autograd.Function):
+    """Autograd boundary of the modulated norm: ``(x, weight, shift, scale, index, eps) -> y``."""
 
     @staticmethod
     def forward(ctx, x, weight, shift, scale, index, eps):
-        y, rstd = rms_norm_fwd(x, weight, eps, shift, scale, index)
+        y, rstd = _rms_norm_modulate_fwd_op(x, weight, shift, scale, index, eps)
         ctx.save_for_backward(x, weight, rstd, shift, scale, index)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd, shift, scale, index = ctx.saved_tensors
-        dx, dweight, dshift, dscale = rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
-        dweight = dweight.to(weight.dtype)
-        if shift is not None:
-            dshift, dscale = dshift.to(shift.dtype), dscale.to(scale.dtype)
+        dx, dweight, dshift, dscale = _rms_norm_modulate_bwd_op(dy.contiguous(), x, weight, rstd, shift, scale, index)
         return dx, dweight, dshift, dscale, None, None
