@@ -131,11 +131,13 @@ def test_modulation_bitwise_equal_to_eager(dtype, w_mode, t_mode, s, h, fp32_tab
 
 @pytest.mark.parametrize("dtype,fp32_table", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
 @pytest.mark.parametrize("lead,s,h,r", [((2,), 33, 40, 9), ((), 70, 136, 3), ((3,), 1, 24, 3)])
-def test_modulate_gradients_within_budget(lead, s, h, r, dtype, fp32_table):
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_modulate_gradients_within_budget(backend, lead, s, h, r, dtype, fp32_table):
     x, weight, table, index, dy = _case(lead, s, h, r, dtype, fp32_table=fp32_table)
 
     def ours(a, w, tb):
-        return _triton(rms_norm_modulate, a, w, *_views(tb, h), index, EPS)
+        with flowlock.use_backend(backend):
+            return rms_norm_modulate(a, w, *_views(tb, h), index, EPS)
 
     def golden(a, w, tb):
         return rms_norm_modulate_golden(a, w, *_views(tb, h), index, EPS, dtype)
