@@ -9,7 +9,10 @@ flowlock op whose output bits are a pure function of the sample:
 * timestep: ``timestep_sinusoid`` -> ``timestep_mlp`` (FP32);
 * each block: one ``adaln_table`` (FP32-held BF16 values; the six chunks are column views),
   ``rms_norm_modulate``, q/k/v ``linear``, ``qk_norm_rope``, ``attention``, ``linear`` to_out,
-  ``gate_residual``, and the same for the SwiGLU feed-forward;
+  ``gate_residual``, and the same for the SwiGLU feed-forward. q, k and v are three ``linear``
+  calls, also when diffusers' ``fuse_projections()`` made ``to_qkv`` (on its three row blocks):
+  no weight copy per forward, gradients land in the parameters directly, and a fused model gives
+  the same bits as an unfused one in the forward *and* the backward;
 * output: ``final_adaln_out``, then ``gather_rows`` selects each modality's rows *before* the FP32
   heads (a GEMM row depends only on its input row, so this gives the same bits for less work).
 
