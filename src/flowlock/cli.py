@@ -288,8 +288,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             failed.append(name)
             continue
         out = Path(args.out_dir) / f"{name}.json" if args.out_dir else root / "benchmarks" / "results" / f"{name}.json"
-        cmd = [sys.executable, str(script), "--out", str(out)]
-        cmd += ["--skip-gate"] * args.skip_gate + ["--smoke"] * args.smoke
+        cmd = [sys.executable, str(script), "--out", str(out)] + ["--skip-gate"] * args.skip_gate
+        if args.smoke:
+            usage = subprocess.run([sys.executable, str(script), "--help"], cwd=root, capture_output=True, text=True)
+            if "--smoke" not in usage.stdout:
+                print(f"flowlock bench: {name} has no --smoke mode; skipped", file=sys.stderr)
+                failed.append(name)
+                continue
+            cmd.append("--smoke")
         print("+ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd, cwd=root).returncode != 0:
             failed.append(name)
