@@ -45,10 +45,11 @@ def _version(module: str) -> str | None:
 
 
 def environment(device: torch.device) -> dict:
-    """Where and with what a result was measured."""
+    """Where and with what a result was measured (``git_dirty`` counts tracked files only)."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     env = {
-        "git_commit": _git("rev-parse", "HEAD"),
+        # A copied tree without .git (a device machine) names its commit in FLOWLOCK_COMMIT.
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("FLOWLOCK_COMMIT"),
         "git_dirty": None if status is None else bool(status),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
