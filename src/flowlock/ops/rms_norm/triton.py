@@ -139,7 +139,8 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     dx = torch.empty_like(x)
     partials = torch.empty((tiles, 1, h), dtype=torch.float32, device=x.device)
     has_mod = shift is not None
-    normed = torch.empty((m, h) if has_mod else (0,), dtype=x.dtype, device=x.device)
+    # Without modulation the kernel never touches ``normed``; dx stands in as a valid pointer.
+    normed = torch.empty((m, h), dtype=x.dtype, device=x.device) if has_mod else dx
     if h > 0:
         _rms_norm_bwd_kernel[(tiles,)](
             x, weight, dy, rstd, scale if has_mod else x, index if has_mod else rstd, dx, normed, partials,
