@@ -136,8 +136,8 @@ register("adaln_proj_fwd", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=32, BLOCK_
                                                note="interpreter-sized; K tiles of 16 exercise masked tails"))
 register("adaln_proj_fwd", "bf16", "sm90", _cfg(4, 4, BLOCK_T=16, BLOCK_N=64, BLOCK_K=128,
                                                 note="one weight pass for 16 T rows; 1512 programs at H3 dims"))
-register("adaln_proj_bwd_act", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=48,
-                                                   note="interpreter-sized; several N chunks at tiny H"))
+register("adaln_proj_bwd_act", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=80,
+                                                   note="interpreter-sized; several N chunks, ragged last"))
 register("adaln_proj_bwd_act", "bf16", "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=4096,
                                                     note="24 fixed N chunks x 42 K tiles at H3 dims"))
 register("adaln_proj_bwd_weight", "bf16", "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))

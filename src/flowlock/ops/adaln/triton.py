@@ -164,6 +164,9 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
     d_temb = d_weight = d_bias = None
     if need_temb:
         cfg = launch_config("adaln_proj_bwd_act", weight.dtype, arch_of(weight))
+        if cfg["CHUNK_N"] % cfg["BLOCK_N"]:
+            # A chunk's inner loop would run into the next chunk and count those rows twice.
+            raise ValueError(f"adaln_proj_bwd_act: CHUNK_N {cfg['CHUNK_N']} must be a multiple of BLOCK_N")
         chunks = triton.cdiv(n, cfg["CHUNK_N"])
         partials = torch.empty((chunks, t, e), dtype=torch.float32, device=grad.device)
         grid = (chunks, triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(e, cfg["BLOCK_K"]))
