@@ -2,7 +2,7 @@
 
 A plan is a list of :class:`PatchEntry` ``(module qualified name, attribute, replacement)``. Modules
 are found by their exact qualified name (``root.get_submodule``) and, when the entry names one,
-their exact type: never by substring. Applying a plan records what each attribute held *on the
+checked against their type: never by substring. Applying a plan records what each attribute held *on the
 instance* (including a pre-existing instance-level ``forward``) and :meth:`PatchHandle.remove`
 puts back exactly that, by identity, and verifies it. Only plain attributes are patched, never
 parameters, buffers or submodules, so ``state_dict`` is untouched. A module can be patched by one
@@ -30,7 +30,8 @@ _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class PatchEntry:
     """Set ``attribute`` of the submodule named ``module`` ("" for the root) to ``replacement``.
 
-    ``module_type``, when given, must be the submodule's exact type.
+    ``module_type``, when given, must be the submodule's type or a subclass of it (FSDP2's
+    ``fully_shard`` swaps a module's class for a generated subclass).
     """
 
     module: str
@@ -118,7 +119,7 @@ def apply_plan(root: nn.Module, plan: list[PatchEntry], handle: PatchHandle) -> 
     resolved = []
     for entry in plan:
         target = root.get_submodule(entry.module)
-        if entry.module_type is not None and type(target) is not entry.module_type:
+        if entry.module_type is not None and not isinstance(target, entry.module_type):
             raise TypeError(f"{entry.module or '<root>'} is {type(target).__name__}, the plan expects "
                             f"{entry.module_type.__name__}")
         if target in _ACTIVE:

@@ -30,14 +30,17 @@ def test_state_dict_untouched_and_remove_restores_provider_by_identity():
     fp32_modules = {n: p for n, p in model.named_parameters() if p.dtype == torch.float32}
     before = _outputs(model, inputs)
     handle = flowlock.patch(model)
-    assert handle.patched == [("", "forward")]
+    blocks = [f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks))]
+    refiners = [f"token_refiner.refiner_blocks.{i}" for i in range(len(model.token_refiner.refiner_blocks))]
+    assert handle.patched == [(name, "forward") for name in ["", *refiners, *blocks, "norm_out"]]
     assert _state(model) == state
     strict = _outputs(model, inputs)
     handle.remove()
     assert handle.patched == []
     assert _state(model) == state
     assert {n: p for n, p in model.named_parameters() if p.dtype == torch.float32} == fp32_modules
-    assert "forward" not in model.__dict__
+    for module in model.modules():
+        assert "forward" not in module.__dict__
     assert model.forward.__func__ is type(model).forward
     assert_bitwise_equal(_outputs(model, inputs), before, "provider after remove")
     assert not all(torch.equal(a, b) for a, b in zip(strict, before)), "strict path did not run"
@@ -197,3 +200,35 @@ def test_deepcopy_of_a_patched_model_runs_strict_on_its_own_weights():
     assert any(op == "linear" for op, _ in frame.ran)
     torch.testing.assert_close(shifted[0] - base[0], torch.ones_like(base[0]), rtol=0, atol=1e-5)
     assert_bitwise_equal(shifted[1], base[1], "audio head untouched")
+
+
+def test_blocks_are_reached_through_their_hooks_and_work_alone():
+    model, inputs = tiny_h3(), tiny_inputs(2)
+    seen = []
+    for name, module in [("norm_out", model.norm_out), ("block0", model.transformer_blocks[0]),
+                         ("refiner0", model.token_refiner.refiner_blocks[0])]:
+        module.register_forward_pre_hook(lambda m, args, name=name: seen.append(name))
+    with flowlock.patch(model):
+        _outputs(model, inputs)
+        assert seen == ["refiner0", "block0", "norm_out"]
+        block = model.transformer_blocks[1]
+        x = torch.randn(2, 24, 64).to(torch.bfloat16)
+        temb = torch.randn(2, 40)
+        rope = model.rope(inputs["position_ids"])
+        index = inputs["timestep_indices"] * 3 + inputs["token_tags"]
+        with torch.no_grad(), flowlock.mode("strict") as frame:
+            alone = block(x, temb, index, rope)
+        assert ("rms_norm_modulate", "reference") in frame.ran
+        with torch.no_grad(), flowlock.mode("provider"):
+            stock = block(x, temb, index, rope)
+        assert (alone.float() - stock.float()).abs().max() < 0.1
+        with pytest.raises(ValueError, match="index"):
+            block(x, temb, index + 3, rope)
+
+
+def test_strict_forward_refuses_unpatched_blocks():
+    from flowlock.models.minimax_h3.strict import strict_forward
+
+    model, inputs = tiny_h3(), tiny_inputs(1)
+    with pytest.raises(RuntimeError, match="flowlock.patch"):
+        strict_forward(model, **inputs)

@@ -38,14 +38,16 @@ def _round_first_input(dtype: torch.dtype):
 
 
 def golden_model(model: nn.Module) -> nn.Module:
-    """A float64 copy of ``model`` whose forward is the golden (an instance-level forward is dropped).
+    """A float64 copy of ``model`` whose forward is the golden (instance-level forwards, such as
+    flowlock's patches, are dropped from every module of the copy).
 
     Feed it the same inputs as ``model`` (they are cast by diffusers' own code); its parameters are
     float64 copies holding the original values exactly, so its parameter gradients are the golden
     gradients, matched to ``model``'s by name.
     """
     golden = copy.deepcopy(model)
-    golden.__dict__.pop("forward", None)
+    for module in golden.modules():
+        module.__dict__.pop("forward", None)
     dtypes = {}
     for name, module in golden.named_modules():
         params = list(module.parameters(recurse=False))

@@ -1,4 +1,8 @@
-"""The patched H3 forward: strict path by default, the original forward in provider mode.
+"""The patched H3 forwards: the strict path by default, the original forward in provider mode.
+
+Four kinds of module are patched: the model itself, each ``MiniMaxH3TransformerBlock``, each
+``MiniMaxH3TokenRefinerBlock`` and ``norm_out`` (the units FSDP2 shards: the root forward reaches
+them through ``__call__`` so their hooks, and FSDP2's unsharding, run as in diffusers).
 
 At call time: in ``flowlock.mode("provider")`` the original forward runs untouched (A/B against
 the stock path). Otherwise the strict forward runs in audit mode when either the caller's mode or
@@ -13,47 +17,76 @@ import functools
 import inspect
 import types
 
-from flowlock.models.minimax_h3.strict import strict_forward
+from flowlock.models.minimax_h3.strict import (
+    STRICT_MARK,
+    Run,
+    active_run,
+    block_forward,
+    norm_out_forward,
+    refiner_block_forward,
+    strict_forward,
+)
 from flowlock.modes import current_mode, fallback_or_raise, mode
 
 
-def make_patched_forward(model, original, handle):
-    """The replacement of ``model.forward``: a method bound to ``model``.
+def make_patched_forward(module, original, handle, strict_call):
+    """The replacement of ``module.forward``: a method bound to ``module``.
 
-    Bound rather than a closure over ``model`` so that ``copy.deepcopy`` of a patched model (RL
-    frameworks copy the policy to make a reference model) rebinds it to the copy, which then runs
-    the strict path on its own weights. ``original`` is the forward read when the plan was built;
-    when it is the class's own forward it is looked up on the class at call time, for the same
-    reason.
+    ``strict_call(self, arguments, stock)`` computes the strict output from the bound arguments
+    (a name -> value dict) or returns ``stock``'s. Bound rather than a closure over ``module`` so
+    that ``copy.deepcopy`` of a patched model (RL frameworks copy the policy to make a reference
+    model) rebinds it to the copy, which then runs the strict path on its own weights.
+    ``original`` is the forward read when the plan was built; when it is the class's own forward it
+    is looked up on the class at call time, for the same reason.
     """
-    signature = inspect.signature(type(model).forward)
-    instance_forward = None if _is_class_forward(model, original) else original
+    cls_forward = type(module).forward
+    signature = inspect.signature(cls_forward)
+    instance_forward = None if _is_class_forward(module, original) else original
 
-    @functools.wraps(type(model).forward)
+    @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
         stock = instance_forward or type(self).forward.__get__(self)
         if current_mode() == "provider":
             return stock(*args, **kwargs)
-        call = dict(signature.bind(self, *args, **kwargs).arguments)
-        call.pop("self")
+        arguments = dict(signature.bind(self, *args, **kwargs).arguments)
+        arguments.pop("self")
+        call = functools.partial(strict_call, self, arguments, functools.partial(stock, *args, **kwargs))
         if current_mode() == "audit" or handle.mode == "strict":
-            return _strict(self, stock, args, kwargs, call)
+            return call()
         with mode("audit") as frame:
-            out = _strict(self, stock, args, kwargs, call)
+            out = call()
         handle.fallbacks.extend(frame.fallbacks)
         return out
 
-    return types.MethodType(forward, model)
+    setattr(forward, STRICT_MARK, True)
+    return types.MethodType(forward, module)
 
 
-def _is_class_forward(model, method) -> bool:
-    return getattr(method, "__self__", None) is model and getattr(method, "__func__", None) is type(model).forward
+def _is_class_forward(module, method) -> bool:
+    return getattr(method, "__self__", None) is module and getattr(method, "__func__", None) is type(module).forward
 
 
-def _strict(model, stock, args, kwargs, call):
-    attention_kwargs = call.pop("attention_kwargs", None)
+def strict_model_call(model, arguments, stock):
+    attention_kwargs = arguments.pop("attention_kwargs", None)
     if attention_kwargs and attention_kwargs.get("scale", 1.0) != 1.0:
         # diffusers rescales every LoRA layer in place for the call; the strict path does not mutate weights.
         fallback_or_raise("minimax_h3 forward", "a LoRA scale in attention_kwargs is not on the strict path")
-        return stock(*args, **kwargs)
-    return strict_forward(model, **call)
+        return stock()
+    return strict_forward(model, **arguments)
+
+
+def _module_call(strict_fn):
+    def call(module, arguments, stock):
+        if arguments.pop("attention_mask", None) is not None:
+            fallback_or_raise(f"minimax_h3 {type(module).__name__}", "an attention mask is not on the strict path")
+            return stock()
+        run = active_run() or Run.for_module(module)
+        if run.runs_own(module):
+            return stock()
+        return strict_fn(run, module, *arguments.values())
+    return call
+
+
+strict_block_call = _module_call(block_forward)
+strict_refiner_block_call = _module_call(refiner_block_forward)
+strict_norm_out_call = _module_call(norm_out_forward)

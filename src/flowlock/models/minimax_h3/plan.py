@@ -1,23 +1,42 @@
 """The patch plan for one ``MiniMaxH3Transformer3DModel`` instance, as data.
 
-One entry: the instance's ``forward`` becomes the mode-aware strict forward of
-:mod:`flowlock.models.minimax_h3.patch`. Nothing else changes: parameters, buffers, the FP32
-modules and the module tree stay as they are, so ``state_dict`` is identical while patched.
+Entries: the instance's ``forward``, and the ``forward`` of every transformer block, every token
+refiner block and ``norm_out`` (the modules the strict root forward calls through ``__call__``),
+each replaced by its mode-aware strict forward from :mod:`flowlock.models.minimax_h3.patch`.
+Nothing else changes: parameters, buffers, the FP32 modules and the module tree stay as they are,
+so ``state_dict`` is identical while patched.
 """
 
 from __future__ import annotations
 
 from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.models.transformers.transformer_minimax_h3 import (
+    MiniMaxH3AdaLayerNormOut,
+    MiniMaxH3TokenRefinerBlock,
+    MiniMaxH3TransformerBlock,
+)
 
-from flowlock.models.minimax_h3.patch import make_patched_forward
+from flowlock.models.minimax_h3.patch import (
+    make_patched_forward,
+    strict_block_call,
+    strict_model_call,
+    strict_norm_out_call,
+    strict_refiner_block_call,
+)
 from flowlock.patching import PatchEntry, PatchHandle
 
 
 def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[PatchEntry]:
     """The entries that route ``model`` through the strict path under ``handle.mode``.
 
-    The original forward is read now, so a pre-existing instance-level ``forward`` (another
+    Each original forward is read now, so a pre-existing instance-level ``forward`` (another
     wrapper) is what provider mode calls and what ``remove()`` restores.
     """
-    original = model.forward
-    return [PatchEntry("", "forward", make_patched_forward(model, original, handle), type(model))]
+    targets = [("", model, MiniMaxH3Transformer3DModel, strict_model_call)]
+    targets += [(f"token_refiner.refiner_blocks.{i}", block, MiniMaxH3TokenRefinerBlock, strict_refiner_block_call)
+                for i, block in enumerate(model.token_refiner.refiner_blocks)]
+    targets += [(f"transformer_blocks.{i}", block, MiniMaxH3TransformerBlock, strict_block_call)
+                for i, block in enumerate(model.transformer_blocks)]
+    targets.append(("norm_out", model.norm_out, MiniMaxH3AdaLayerNormOut, strict_norm_out_call))
+    return [PatchEntry(name, "forward", make_patched_forward(module, module.forward, handle, call), kind)
+            for name, module, kind, call in targets]

@@ -28,6 +28,7 @@ runs that module's own forward.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from diffusers.models.activations import SwiGLU
@@ -36,6 +37,8 @@ from diffusers.models.modeling_utils import get_parameter_dtype
 from diffusers.models.transformers.transformer_minimax_h3 import (
     MINIMAX_H3_MODALITY_NUM,
     MiniMaxH3AttnProcessor,
+    MiniMaxH3TokenRefinerBlock,
+    MiniMaxH3TransformerBlock,
     MiniMaxH3TransformerOutput,
 )
 from torch import nn
@@ -91,38 +94,69 @@ def _rms_norm_reason(module: nn.Module) -> str | None:
     return None
 
 
-class _Run:
-    """One forward's decisions: which modules run their own forward (audit fallbacks)."""
+class Run:
+    """One forward's decisions, made before any op runs: which modules run their own forward (audit
+    fallbacks; strict mode raised instead), and whether ops must range-check their indices (a
+    standalone block call) or the root forward validated them already.
 
-    def __init__(self, model: nn.Module):
+    The root forward hands its ``Run`` to the blocks it calls through :func:`call_with_run`, also on
+    gradient-checkpointing recomputation, so a recomputed block makes the same decisions.
+    """
+
+    def __init__(self, check_indices: bool):
         self.fallback: set[int] = set()
+        self.check_indices = check_indices
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> Run:
+        """Decisions for a whole-model forward whose structural inputs were validated."""
+        run = cls(check_indices=False)
         names = {id(m): n for n, m in model.named_modules()}
-        for module in model.token_refiner.refiner_blocks:
-            self._check_attention(module.attn, names)
-            self._check_ff(module.ff, names)
-            for norm in (module.norm1, module.norm2):
-                self._check(norm, _rms_norm_reason(norm), names)
-        self._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm), names)
+        for block in model.token_refiner.refiner_blocks:
+            run._check_refiner_block(block, names)
+        run._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm), names)
         for block in model.transformer_blocks:
-            self._check_attention(block.attn, names)
-            self._check_ff(block.ff, names)
-            for norm in (block.norm1, block.norm2):
-                self._check(norm, _rms_norm_reason(norm), names)
-            linear_ = block.adaln_proj.linear
-            self._check(linear_, None if type(linear_) is nn.Linear else "the AdaLN projection must be "
-                        "torch.nn.Linear (its table is built by adaln_table)", names, fallback=block)
+            run._check_block(block, names)
         for module in (model.proj_in, model.audio_proj_in, model.context_embedder, model.proj_out,
                        model.audio_proj_out):
-            self._check(module, _linear_reason(module), names)
-        norm_out = model.norm_out
-        if type(norm_out.norm) is not nn.RMSNorm or type(norm_out.linear) is not nn.Linear:
-            # final_adaln_out fuses the norm and its projection, so neither can be swapped alone.
-            self._check(norm_out, "norm_out.norm / norm_out.linear must be RMSNorm / Linear", names)
+            run._check(module, _linear_reason(module), names)
+        run._check_norm_out(model.norm_out, names)
         embedder = model.time_embedder
         if (type(embedder.linear_1) is not nn.Linear or type(embedder.linear_2) is not nn.Linear
                 or type(embedder.act) is not nn.SiLU or embedder.cond_proj is not None
                 or embedder.post_act is not None):
-            self._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2", names)
+            run._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2", names)
+        return run
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> Run:
+        """Decisions for a block or ``norm_out`` called on its own (indices not yet checked)."""
+        run = cls(check_indices=True)
+        names = {id(m): n for n, m in module.named_modules()}
+        if isinstance(module, MiniMaxH3TransformerBlock):
+            run._check_block(module, names)
+        elif isinstance(module, MiniMaxH3TokenRefinerBlock):
+            run._check_refiner_block(module, names)
+        else:
+            run._check_norm_out(module, names)
+        return run
+
+    def _check_refiner_block(self, block: nn.Module, names: dict) -> None:
+        self._check_attention(block.attn, names)
+        self._check_ff(block.ff, names)
+        for norm in (block.norm1, block.norm2):
+            self._check(norm, _rms_norm_reason(norm), names)
+
+    def _check_block(self, block: nn.Module, names: dict) -> None:
+        self._check_refiner_block(block, names)
+        proj = block.adaln_proj.linear
+        self._check(proj, None if type(proj) is nn.Linear else "the AdaLN projection must be torch.nn.Linear "
+                    "(its table is built by adaln_table)", names, fallback=block)
+
+    def _check_norm_out(self, norm_out: nn.Module, names: dict) -> None:
+        if type(norm_out.norm) is not nn.RMSNorm or type(norm_out.linear) is not nn.Linear:
+            # final_adaln_out fuses the norm and its projection, so neither can be swapped alone.
+            self._check(norm_out, "norm_out.norm / norm_out.linear must be RMSNorm / Linear", names)
 
     def _check(self, module: nn.Module, reason: str | None, names: dict, fallback: nn.Module | None = None):
         if reason is None:
@@ -215,41 +249,78 @@ class _Run:
         return self.linear(ff.net[2], swiglu(self.linear(ff.net[0].proj, x)))
 
 
-def _refiner_block(run: _Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+_ACTIVE = threading.local()
+
+# Set on the functions flowlock.patch installs as block / norm_out forwards.
+STRICT_MARK = "__flowlock_strict__"
+
+
+def active_run() -> Run | None:
+    """The ``Run`` of the root forward currently calling a block, if any."""
+    return getattr(_ACTIVE, "run", None)
+
+
+def call_with_run(run: Run, module: nn.Module, *args):
+    """Call ``module`` (through ``__call__``, so its hooks run: FSDP2 unshards a block's parameters
+    there) with ``run`` as the active decisions."""
+    if not getattr(module.forward, STRICT_MARK, False):
+        raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: call the strict forward through "
+                           "flowlock.patch(model), which routes every block and norm_out too")
+    previous = active_run()
+    _ACTIVE.run = run
+    try:
+        return module(*args)
+    finally:
+        _ACTIVE.run = previous
+
+
+def refiner_block_forward(run: Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``MiniMaxH3TokenRefinerBlock.forward`` on flowlock ops: (B, Nt, hidden) bf16 -> same."""
     # A plain bf16 add is bitwise what eager does, and elementwise, so it is batch-invariant.
     x = x + run.attention(block.attn, run.rms_norm(block.norm1, x), None)
     return x + run.feed_forward(block.ff, run.rms_norm(block.norm2, x))
 
 
-def _block(run: _Run, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
-           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if run.runs_own(block):
-        return block(x, temb, adaln_indices, (cos, sin))
+def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
+                  rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``MiniMaxH3TransformerBlock.forward`` on flowlock ops: x (B, S, hidden) bf16, temb (T, E) fp32,
+    adaln_indices (S,) in [0, 3T), rotary_emb (cos, sin) (S, R) fp32 -> (B, S, hidden) bf16."""
     proj = block.adaln_proj.linear
     table = adaln_table(temb, proj.weight, proj.bias)
     hidden = x.shape[-1]
     chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
+    check = run.check_indices
     normed = _modulate(run, block.norm1, x, chunk[SHIFT_MSA], chunk[SCALE_MSA], adaln_indices)
-    attn_out = run.attention(block.attn, normed, (cos, sin))
-    x = gate_residual(x, chunk[GATE_MSA], attn_out, adaln_indices, check_indices=False)
+    attn_out = run.attention(block.attn, normed, rotary_emb)
+    x = gate_residual(x, chunk[GATE_MSA], attn_out, adaln_indices, check_indices=check)
     normed = _modulate(run, block.norm2, x, chunk[SHIFT_MLP], chunk[SCALE_MLP], adaln_indices)
     ff_out = run.feed_forward(block.ff, normed)
-    return gate_residual(x, chunk[GATE_MLP], ff_out, adaln_indices, check_indices=False)
+    return gate_residual(x, chunk[GATE_MLP], ff_out, adaln_indices, check_indices=check)
 
 
-def _modulate(run: _Run, norm: nn.Module, x, shift, scale, index):
+def norm_out_forward(run: Run, norm_out: nn.Module, x: torch.Tensor, temb: torch.Tensor,
+                     timestep_indices: torch.Tensor) -> torch.Tensor:
+    """``MiniMaxH3AdaLayerNormOut.forward`` on ``final_adaln_out``: (B, S, hidden) bf16 -> same."""
+    return final_adaln_out(x, temb, norm_out.norm.weight, norm_out.linear.weight, norm_out.linear.bias,
+                           timestep_indices, norm_out.norm.eps, check_indices=run.check_indices)
+
+
+def _modulate(run: Run, norm: nn.Module, x, shift, scale, index):
     if run.runs_own(norm):
         return norm(x) * (1.0 + scale.to(x.dtype)[index]) + shift.to(x.dtype)[index]
-    return rms_norm_modulate(x, norm.weight, shift, scale, index, norm.eps, check_indices=False)
+    return rms_norm_modulate(x, norm.weight, shift, scale, index, norm.eps, check_indices=run.check_indices)
 
 
-def _checkpointed(model: nn.Module, fn, *tensors: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and model.gradient_checkpointing:
-        return model._gradient_checkpointing_func(fn, *tensors)
-    return fn(*tensors)
+def _call_block(owner: nn.Module, run: Run, block: nn.Module, *args):
+    # As diffusers: checkpoint each block when the owner asks for it; the Run travels with the call so
+    # recomputation during backward makes the same decisions.
+    fn = functools.partial(call_with_run, run, block)
+    if torch.is_grad_enabled() and owner.gradient_checkpointing:
+        return owner._gradient_checkpointing_func(fn, *args)
+    return fn(*args)
 
 
-def _time_embedding(run: _Run, model: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
+def _time_embedding(run: Run, model: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
     if model.time_proj.num_channels != 256 or not model.time_proj.flip_sin_to_cos \
             or model.time_proj.downscale_freq_shift != 0 or model.time_proj.scale != 1:
         fallback_or_raise("minimax_h3 time_proj", "timestep_sinusoid serves Timesteps(256, True, 0) only")
@@ -285,7 +356,7 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
         encoder_hidden_states=encoder_hidden_states, timestep=timestep, timestep_indices=timestep_indices,
         token_tags=token_tags, position_ids=position_ids, video_indices=video_indices,
         audio_indices=audio_indices, text_indices=text_indices)
-    run = _Run(model)
+    run = Run.for_model(model)
 
     cos, sin = rope_cos_sin(model.rope.inv_freq, position_ids)
 
@@ -294,10 +365,7 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     text = run.linear(model.context_embedder, encoder_hidden_states.to(get_parameter_dtype(model.context_embedder)))
     refiner = model.token_refiner
     for block in refiner.refiner_blocks:
-        if torch.is_grad_enabled() and refiner.gradient_checkpointing:
-            text = refiner._gradient_checkpointing_func(functools.partial(_refiner_block, run, block), text)
-        else:
-            text = _refiner_block(run, block, text)
+        text = _call_block(refiner, run, block, text)
     text = run.rms_norm(refiner.final_norm, text)
 
     x = scatter_rows([text, video.to(text.dtype), audio.to(text.dtype)],
@@ -307,14 +375,8 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
 
     for block in model.transformer_blocks:
-        x = _checkpointed(model, functools.partial(_block, run, block), x, temb, adaln_indices, cos, sin)
-
-    if run.runs_own(model.norm_out):
-        x = model.norm_out(x, temb, timestep_indices)
-    else:
-        norm_out = model.norm_out
-        x = final_adaln_out(x, temb, norm_out.norm.weight, norm_out.linear.weight, norm_out.linear.bias,
-                            timestep_indices, norm_out.norm.eps, check_indices=False)
+        x = _call_block(model, run, block, x, temb, adaln_indices, (cos, sin))
+    x = call_with_run(run, model.norm_out, x, temb, timestep_indices)
     # diffusers casts to proj_out's dtype for both heads; gathering first moves the same cast.
     head_dtype = get_parameter_dtype(model.proj_out)
     video_rows = gather_rows(x, video_indices, check_indices=False).to(head_dtype)
