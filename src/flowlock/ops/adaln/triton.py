@@ -21,10 +21,11 @@ from flowlock.ops._triton_utils import arch_of
 from flowlock.ops.segment_sum.triton import segment_sum_fwd
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             UPCAST: tl.constexpr):
+    # T is never specialized (no T == 1 or T % 16 == 0 variants): every T runs the same binary.
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -49,7 +50,7 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
     tl.store(out_ptr + offs_t[:, None] * N + offs_n[None, :], y, mask=mask_t[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             CHUNK_N: tl.constexpr):
@@ -89,7 +90,7 @@ def _adaln_table_bwd_fold_kernel(part_ptr, temb_ptr, d_temb_ptr, TE, NUM_CHUNKS,
     tl.store(d_temb_ptr + offs, d_act * (sig * (1.0 + x * (1.0 - sig))), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _adaln_table_bwd_weight_kernel(g_ptr, act_ptr, dw_ptr, db_ptr, T, N, E,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
