@@ -18,6 +18,7 @@ from flowlock.testing import (
     assert_within_budget,
     batch_invariance_failures,
     max_abs_error,
+    repeat_failures,
 )
 
 
@@ -270,6 +271,20 @@ def test_compiled_equals_eager():
     torch._dynamo.reset()
     compiled = _grads(torch.compile(fn, backend="aot_eager", fullgraph=True), temb, weight, bias, ti, tag, upstream)
     assert_bitwise_equal((*compiled[0], *compiled[1]), (*eager[0], *eager[1]), "compiled vs eager")
+
+
+def test_repeatability_harness_catches_a_shuffled_fold():
+    """Planted defect: d_act's chunk partials folded in a fresh random order on every call."""
+    temb, weight, bias = _params(2, 20, 24, seed=16)
+    grad = torch.randn(2, 18 * 24, generator=torch.Generator().manual_seed(17)) * 1e3
+    partials = [g @ w for g, w in zip(grad.split(16, dim=1), weight.float().split(16, dim=0))]
+
+    def shuffled_fold():
+        acc = torch.zeros_like(partials[0])
+        for i in torch.randperm(len(partials)).tolist():
+            acc = acc + partials[i]
+        return acc
+    assert repeat_failures(shuffled_fold, runs=20), "harness missed a shuffled fold order"
 
 
 def _bad_cases():
