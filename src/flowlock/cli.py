@@ -222,9 +222,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     print(f"flowlock trace: {origin} on {device}, one sample alone vs at position 1 of 3")
     for mode, result in results.items():
         print(f"  {mode:8s}: {_describe(result)}")
-    if results["strict"]["records"] == 1:
-        print("  (the strict forward runs flowlock ops instead of the model's submodules, so only its final "
-              "output is hooked)")
+    print(f"  (strict: {results['strict']['records']} hooked outputs, from the modules the strict forward still "
+          "calls as modules; the flowlock ops inside them are not hooked)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0 if results["strict"]["divergence"] is None else 1
