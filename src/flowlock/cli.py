@@ -150,8 +150,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("\nconditioning chain (timestep -> AdaLN -> modulation), sample alone vs in a batch of "
           f"{chain['batch']}, {chain['repeats']} repeats:")
     print(chain_table(chain))
-    runs = {mode: run_consistency(model, n_samples=args.samples, steps=args.steps, mode=mode)
-            for mode in ("strict", "provider")}
+    try:
+        runs = {mode: run_consistency(model, n_samples=args.samples, steps=args.steps, mode=mode)
+                for mode in ("strict", "provider")}
+    except NotImplementedError as err:  # run_consistency's documented signal that a strict piece is missing
+        print(f"\nRL consistency could not run strict: {err}", file=sys.stderr)
+        return 2
     strict, provider = runs["strict"], runs["provider"]
     print(f"\nRL consistency: {args.samples} samples x {strict['transitions']} CPS steps, rollout batch "
           f"{strict['rollout_batch']}, replay micro-batch {strict['replay_micro_batch']} "
