@@ -32,7 +32,9 @@ def test_state_dict_untouched_and_remove_restores_provider_by_identity():
     handle = flowlock.patch(model)
     blocks = [f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks))]
     refiners = [f"token_refiner.refiner_blocks.{i}" for i in range(len(model.token_refiner.refiner_blocks))]
-    assert handle.patched == [(name, "forward") for name in ["", *refiners, *blocks, "norm_out"]]
+    others = ["norm_out", "token_refiner.final_norm", "time_embedder", "proj_in", "audio_proj_in",
+              "context_embedder", "proj_out", "audio_proj_out"]
+    assert handle.patched == [(name, "forward") for name in ["", *refiners, *blocks, *others]]
     assert _state(model) == state
     strict = _outputs(model, inputs)
     handle.remove()

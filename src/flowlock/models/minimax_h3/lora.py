@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flowlock.models.minimax_h3.structure import module_class
 from flowlock.ops.linear import linear
 
 _LORA_ATTRS = ("base_layer", "lora_A", "lora_B", "scaling", "active_adapters", "merged")
@@ -28,7 +29,7 @@ def _active(module: nn.Module) -> list[str]:
 
 def lora_unsupported_reason(module: nn.Module) -> str | None:
     """Why the strict path cannot compute this LoRA layer, or None when it can."""
-    if type(module.base_layer) is not nn.Linear:
+    if module_class(module.base_layer) is not nn.Linear:
         return f"LoRA base layer {type(module.base_layer).__name__} is not torch.nn.Linear"
     if getattr(module, "disable_adapters", False):
         # peft unmerges a merged layer inside forward here: a weight mutation the strict path won't make.
@@ -43,7 +44,7 @@ def lora_unsupported_reason(module: nn.Module) -> str | None:
                                                      and (dropout.p == 0.0 or not dropout.training))):
             return f"adapter {name!r} has active dropout (strict LoRA needs the identity)"
         for part in (module.lora_A[name], module.lora_B[name]):
-            if type(part) is not nn.Linear or part.bias is not None:
+            if module_class(part) is not nn.Linear or part.bias is not None:
                 return f"adapter {name!r} has a {type(part).__name__} factor with a bias or of another type"
     return None
 

@@ -1,8 +1,10 @@
 """The patched H3 forwards: the strict path by default, the original forward in provider mode.
 
-Four kinds of module are patched: the model itself, each ``MiniMaxH3TransformerBlock``, each
-``MiniMaxH3TokenRefinerBlock`` and ``norm_out`` (the units FSDP2 shards: the root forward reaches
-them through ``__call__`` so their hooks, and FSDP2's unsharding, run as in diffusers).
+Patched: the model itself, and every module its forward calls directly: each transformer block and
+token refiner block, ``norm_out``, the refiner's ``final_norm``, ``time_embedder`` and the five input
+/ output linears. The root forward reaches them through ``__call__`` so their hooks run as in
+diffusers, FSDP2's unsharding included (blocks are FSDP2 units; the FP32 modules must be units of
+their own, as FSDP2 wants one dtype per unit).
 
 At call time: in ``flowlock.mode("provider")`` the original forward runs untouched (A/B against
 the stock path). Otherwise the strict forward runs in audit mode when either the caller's mode or
@@ -25,6 +27,7 @@ from flowlock.models.minimax_h3.strict import (
     norm_out_forward,
     refiner_block_forward,
     strict_forward,
+    time_embedder_forward,
 )
 from flowlock.modes import current_mode, fallback_or_raise, mode
 
@@ -87,6 +90,25 @@ def _module_call(strict_fn):
     return call
 
 
+def _one_input_call(strict_fn):
+    # Linear, peft LoRA Linear, RMSNorm, TimestepEmbedding: one tensor in; anything more (a
+    # TimestepEmbedding condition, peft's adapter_names) is not on the strict path.
+    def call(module, arguments, stock):
+        (x, *rest) = arguments.values()
+        if any(not (v is None or (isinstance(v, (tuple, dict)) and not v)) for v in rest):
+            fallback_or_raise(f"minimax_h3 {type(module).__name__}", "extra forward arguments are not on the "
+                              "strict path")
+            return stock()
+        run = active_run() or Run.for_module(module)
+        if run.runs_own(module):
+            return stock()
+        return strict_fn(run, module, x)
+    return call
+
+
 strict_block_call = _module_call(block_forward)
 strict_refiner_block_call = _module_call(refiner_block_forward)
 strict_norm_out_call = _module_call(norm_out_forward)
+strict_linear_call = _one_input_call(lambda run, module, x: run.linear(module, x))
+strict_rms_norm_call = _one_input_call(lambda run, module, x: run.rms_norm(module, x))
+strict_time_embedder_call = _one_input_call(time_embedder_forward)

@@ -1,8 +1,10 @@
 """The patch plan for one ``MiniMaxH3Transformer3DModel`` instance, as data.
 
-Entries: the instance's ``forward``, and the ``forward`` of every transformer block, every token
-refiner block and ``norm_out`` (the modules the strict root forward calls through ``__call__``),
-each replaced by its mode-aware strict forward from :mod:`flowlock.models.minimax_h3.patch`.
+Entries: the instance's ``forward``, and the ``forward`` of every module the strict root forward
+calls through ``__call__`` (transformer and refiner blocks, ``norm_out``, the refiner's
+``final_norm``, ``time_embedder``, the input and output linears), each replaced by its mode-aware
+strict forward from :mod:`flowlock.models.minimax_h3.patch`. Slots whose module may legitimately
+be another type (a peft LoRA layer in a Linear slot) carry no type; strict mode decides per call.
 Nothing else changes: parameters, buffers, the FP32 modules and the module tree stay as they are,
 so ``state_dict`` is identical while patched.
 """
@@ -19,9 +21,12 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 from flowlock.models.minimax_h3.patch import (
     make_patched_forward,
     strict_block_call,
+    strict_linear_call,
     strict_model_call,
     strict_norm_out_call,
     strict_refiner_block_call,
+    strict_rms_norm_call,
+    strict_time_embedder_call,
 )
 from flowlock.patching import PatchEntry, PatchHandle
 
@@ -38,5 +43,9 @@ def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[
     targets += [(f"transformer_blocks.{i}", block, MiniMaxH3TransformerBlock, strict_block_call)
                 for i, block in enumerate(model.transformer_blocks)]
     targets.append(("norm_out", model.norm_out, MiniMaxH3AdaLayerNormOut, strict_norm_out_call))
+    targets.append(("token_refiner.final_norm", model.token_refiner.final_norm, None, strict_rms_norm_call))
+    targets.append(("time_embedder", model.time_embedder, None, strict_time_embedder_call))
+    targets += [(name, model.get_submodule(name), None, strict_linear_call)
+                for name in ("proj_in", "audio_proj_in", "context_embedder", "proj_out", "audio_proj_out")]
     return [PatchEntry(name, "forward", make_patched_forward(module, module.forward, handle, call), kind)
             for name, module, kind, call in targets]

@@ -33,9 +33,11 @@ import threading
 import torch
 from diffusers.models.activations import SwiGLU
 from diffusers.models.attention import FeedForward
+from diffusers.models.embeddings import TimestepEmbedding
 from diffusers.models.modeling_utils import get_parameter_dtype
 from diffusers.models.transformers.transformer_minimax_h3 import (
     MINIMAX_H3_MODALITY_NUM,
+    MiniMaxH3AdaLayerNormOut,
     MiniMaxH3AttnProcessor,
     MiniMaxH3TokenRefinerBlock,
     MiniMaxH3TransformerBlock,
@@ -44,7 +46,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 from torch import nn
 
 from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
-from flowlock.models.minimax_h3.structure import validate_structure
+from flowlock.models.minimax_h3.structure import module_class, validate_structure
 from flowlock.modes import fallback_or_raise
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.attention import attention
@@ -79,7 +81,7 @@ def _dropout_is_identity(module: nn.Module) -> bool:
 
 
 def _linear_reason(module: nn.Module) -> str | None:
-    if type(module) is nn.Linear:
+    if module_class(module) is nn.Linear:
         return None
     if is_peft_lora(module):
         return lora_unsupported_reason(module)
@@ -87,7 +89,7 @@ def _linear_reason(module: nn.Module) -> str | None:
 
 
 def _rms_norm_reason(module: nn.Module) -> str | None:
-    if type(module) is not nn.RMSNorm:
+    if module_class(module) is not nn.RMSNorm:
         return f"{type(module).__name__} is not torch.nn.RMSNorm"
     if module.weight is None or module.eps is None:
         return "RMSNorm without an affine weight or an explicit eps"
@@ -121,25 +123,33 @@ class Run:
                        model.audio_proj_out):
             run._check(module, _linear_reason(module), names)
         run._check_norm_out(model.norm_out, names)
-        embedder = model.time_embedder
-        if (type(embedder.linear_1) is not nn.Linear or type(embedder.linear_2) is not nn.Linear
-                or type(embedder.act) is not nn.SiLU or embedder.cond_proj is not None
-                or embedder.post_act is not None):
-            run._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2", names)
+        run._check_time_embedder(model.time_embedder, names)
         return run
 
     @classmethod
     def for_module(cls, module: nn.Module) -> Run:
-        """Decisions for a block or ``norm_out`` called on its own (indices not yet checked)."""
+        """Decisions for one patched submodule called on its own (indices not yet checked)."""
         run = cls(check_indices=True)
         names = {id(m): n for n, m in module.named_modules()}
         if isinstance(module, MiniMaxH3TransformerBlock):
             run._check_block(module, names)
         elif isinstance(module, MiniMaxH3TokenRefinerBlock):
             run._check_refiner_block(module, names)
-        else:
+        elif isinstance(module, MiniMaxH3AdaLayerNormOut):
             run._check_norm_out(module, names)
+        elif isinstance(module, TimestepEmbedding):
+            run._check_time_embedder(module, names)
+        elif isinstance(module, nn.RMSNorm):
+            run._check(module, _rms_norm_reason(module), names)
+        else:
+            run._check(module, _linear_reason(module), names)
         return run
+
+    def _check_time_embedder(self, embedder: nn.Module, names: dict) -> None:
+        kinds = [module_class(m) for m in (embedder, embedder.linear_1, embedder.linear_2, embedder.act)]
+        if (kinds != [TimestepEmbedding, nn.Linear, nn.Linear, nn.SiLU] or embedder.cond_proj is not None
+                or embedder.post_act is not None):
+            self._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2", names)
 
     def _check_refiner_block(self, block: nn.Module, names: dict) -> None:
         self._check_attention(block.attn, names)
@@ -150,11 +160,12 @@ class Run:
     def _check_block(self, block: nn.Module, names: dict) -> None:
         self._check_refiner_block(block, names)
         proj = block.adaln_proj.linear
-        self._check(proj, None if type(proj) is nn.Linear else "the AdaLN projection must be torch.nn.Linear "
-                    "(its table is built by adaln_table)", names, fallback=block)
+        reason = None if module_class(proj) is nn.Linear else ("the AdaLN projection must be torch.nn.Linear "
+                                                                "(its table is built by adaln_table)")
+        self._check(proj, reason, names, fallback=block)
 
     def _check_norm_out(self, norm_out: nn.Module, names: dict) -> None:
-        if type(norm_out.norm) is not nn.RMSNorm or type(norm_out.linear) is not nn.Linear:
+        if module_class(norm_out.norm) is not nn.RMSNorm or module_class(norm_out.linear) is not nn.Linear:
             # final_adaln_out fuses the norm and its projection, so neither can be swapped alone.
             self._check(norm_out, "norm_out.norm / norm_out.linear must be RMSNorm / Linear", names)
 
@@ -166,7 +177,7 @@ class Run:
 
     def _check_attention(self, attn: nn.Module, names: dict) -> None:
         processor = attn.processor
-        if type(processor) is not MiniMaxH3AttnProcessor:
+        if module_class(processor) is not MiniMaxH3AttnProcessor:
             self._check(attn, f"attention processor {type(processor).__name__} is not diffusers' "
                         "MiniMaxH3AttnProcessor", names)
             return
@@ -185,7 +196,7 @@ class Run:
 
     def _check_ff(self, ff: nn.Module, names: dict) -> None:
         net = getattr(ff, "net", None)
-        if (type(ff) is not FeedForward or len(net) != 3 or type(net[0]) is not SwiGLU
+        if (module_class(ff) is not FeedForward or len(net) != 3 or module_class(net[0]) is not SwiGLU
                 or not _dropout_is_identity(net[1])):
             self._check(ff, "feed-forward is not SwiGLU -> Dropout(0) -> Linear", names)
             return
@@ -198,7 +209,7 @@ class Run:
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runs_own(module):
             return module(x)
-        if type(module) is nn.Linear:
+        if module_class(module) is nn.Linear:
             return linear(x, module.weight, module.bias)
         return strict_lora_linear(module, x)
 
@@ -225,7 +236,7 @@ class Run:
         return self.linear(attn.to_out[0], out.flatten(2, 3))
 
     def _fused_qkv(self, to_qkv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if type(to_qkv) is nn.Linear and not self.runs_own(to_qkv):
+        if module_class(to_qkv) is nn.Linear and not self.runs_own(to_qkv):
             # Three GEMMs on the row blocks of the stacked weight (contiguous views; the split's
             # backward is one exact concatenation): the same nodes as an unfused model, so forward
             # and gradients are bitwise those of the separate projections. One fused GEMM would
@@ -261,8 +272,9 @@ def active_run() -> Run | None:
 
 
 def call_with_run(run: Run, module: nn.Module, *args):
-    """Call ``module`` (through ``__call__``, so its hooks run: FSDP2 unshards a block's parameters
-    there) with ``run`` as the active decisions."""
+    """Call the patched ``module`` through ``__call__``, so its hooks run (FSDP2 unshards a unit's
+    parameters there: blocks, and the FP32 modules that must be units of their own because FSDP2
+    wants one dtype per unit), with ``run`` as the active decisions."""
     if not getattr(module.forward, STRICT_MARK, False):
         raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: call the strict forward through "
                            "flowlock.patch(model), which routes every block and norm_out too")
@@ -327,11 +339,13 @@ def _time_embedding(run: Run, model: nn.Module, timestep: torch.Tensor) -> torch
         sinusoid = model.time_proj(timestep)
     else:
         sinusoid = timestep_sinusoid(timestep)
-    embedder = model.time_embedder
-    if run.runs_own(embedder):
-        return embedder(sinusoid)
+    return call_with_run(run, model.time_embedder, sinusoid)
+
+
+def time_embedder_forward(run: Run, embedder: nn.Module, sample: torch.Tensor) -> torch.Tensor:
+    """``TimestepEmbedding.forward`` on ``timestep_mlp``: (T, 256) fp32 -> (T, E) fp32."""
     l1, l2 = embedder.linear_1, embedder.linear_2
-    return timestep_mlp(sinusoid, l1.weight, l1.bias, l2.weight, l2.bias)
+    return timestep_mlp(sample, l1.weight, l1.bias, l2.weight, l2.bias)
 
 
 def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
@@ -360,13 +374,14 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
 
     cos, sin = rope_cos_sin(model.rope.inv_freq, position_ids)
 
-    video = run.linear(model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
-    audio = run.linear(model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
-    text = run.linear(model.context_embedder, encoder_hidden_states.to(get_parameter_dtype(model.context_embedder)))
+    video = call_with_run(run, model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
+    audio = call_with_run(run, model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
+    text = call_with_run(run, model.context_embedder,
+                         encoder_hidden_states.to(get_parameter_dtype(model.context_embedder)))
     refiner = model.token_refiner
     for block in refiner.refiner_blocks:
         text = _call_block(refiner, run, block, text)
-    text = run.rms_norm(refiner.final_norm, text)
+    text = call_with_run(run, refiner.final_norm, text)
 
     x = scatter_rows([text, video.to(text.dtype), audio.to(text.dtype)],
                      [text_indices, video_indices, audio_indices], seq_len, check_indices=False)
@@ -381,8 +396,8 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     head_dtype = get_parameter_dtype(model.proj_out)
     video_rows = gather_rows(x, video_indices, check_indices=False).to(head_dtype)
     audio_rows = gather_rows(x, audio_indices, check_indices=False).to(head_dtype)
-    video_out = run.linear(model.proj_out, video_rows)
-    audio_out = run.linear(model.audio_proj_out, audio_rows)
+    video_out = call_with_run(run, model.proj_out, video_rows)
+    audio_out = call_with_run(run, model.audio_proj_out, audio_rows)
     if not return_dict:
         return (video_out, audio_out)
     return MiniMaxH3TransformerOutput(sample=video_out, audio_sample=audio_out)

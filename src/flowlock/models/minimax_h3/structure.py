@@ -51,3 +51,14 @@ def validate_structure(*, hidden_states: torch.Tensor, audio_hidden_states: torc
     if position_ids.dtype not in INDEX_DTYPES and not position_ids.is_floating_point():
         raise TypeError(f"position_ids must be an integer or float tensor, got {position_ids.dtype}")
     return seq_len
+
+
+def module_class(module: object) -> type:
+    """The module's own class. FSDP2's ``fully_shard`` swaps in a generated subclass
+    ``(FSDPModule, cls)`` that adds sharding hooks, not arithmetic, so it counts as ``cls``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
+        return cls.__bases__[1]
+    return cls

@@ -1,0 +1,58 @@
+"""The strict path under FSDP2: two gloo ranks in subprocesses shard the tiny H3 the way a trainer
+must (every block, norm_out, and each FP32 module as its own unit, since FSDP2 wants one dtype per
+unit); each rank's strict outputs must be the unsharded strict outputs, bit for bit."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+_WORKER = textwrap.dedent("""
+    import os
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import flowlock
+    from flowlock.models.minimax_h3 import tiny_h3, tiny_inputs
+    from flowlock.testing import assert_bitwise_equal
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    inputs = tiny_inputs(2)
+    reference = tiny_h3()
+    with flowlock.patch(reference):
+        expected = reference(**inputs)
+    model = tiny_h3()
+    for module in [*model.token_refiner.refiner_blocks, *model.transformer_blocks, model.norm_out]:
+        fully_shard(module, mesh=mesh)
+    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+        fully_shard(model.get_submodule(name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with flowlock.patch(model), flowlock.mode("strict") as frame:
+        out = model(**inputs)
+        (out.sample.square().sum() + out.audio_sample.sum()).backward()
+    assert ("attention", "reference") in frame.ran
+    assert_bitwise_equal((out.sample, out.audio_sample), (expected.sample, expected.audio_sample), "fsdp rank")
+    assert all(p.grad is not None for p in model.parameters())
+    dist.destroy_process_group()
+    print("rank", os.environ["RANK"], "ok")
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_sharded_strict_forward_equals_unsharded():
+    world = 2
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER], env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+        assert f"rank {rank} ok" in out
