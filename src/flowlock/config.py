@@ -80,7 +80,8 @@ register("timestep_mlp", "fp32", "any", _cfg(4, BLOCK_M=8, BLOCK_N=16, BLOCK_K=3
 register("timestep_mlp", "fp32", "sm90", _cfg(4, 3, BLOCK_M=8, BLOCK_N=8, BLOCK_K=128,
                                               note="8 T rows per weight pass; 336 programs for the 2688x5376 layer"))
 register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
-register("timestep_mlp_wgrad", "fp32", "sm90", _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))
+register("timestep_mlp_wgrad", "fp32", "sm90",
+         _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))
 register("swiglu", "bf16", "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
 register("swiglu", "bf16", "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
 register("qk_norm_rope_fwd", "bf16", "any", _cfg(4, note="one (token, head) row per program"))
