@@ -30,6 +30,9 @@ from flowlock.models.minimax_h3.strict import (
     time_embedder_forward,
 )
 from flowlock.modes import current_mode, fallback_or_raise, mode
+from flowlock.patching import patch  # re-exported: the H3 entry point is flowlock.patch itself
+
+__all__ = ["make_patched_forward", "patch"]
 
 
 def make_patched_forward(module, original, handle, strict_call):
