@@ -19,6 +19,11 @@ flowlock op whose output bits are a pure function of the sample:
 RoPE cos/sin are computed as ``MiniMaxH3RotaryPosEmbed`` does, in elementwise FP32 torch from
 ``position_ids`` only, so they are the same bits in every batch.
 
+The root forward reaches every module it calls directly (blocks, refiner blocks, ``norm_out``, the
+refiner's ``final_norm``, ``time_embedder``, the input / output linears) through ``__call__``, as
+diffusers does, so their hooks run (FSDP2 unshards parameters there); ``flowlock.patch`` routes
+each of those forwards to the functions here (:mod:`flowlock.models.minimax_h3.patch`).
+
 Unsupported modules (a Linear slot holding something else, a custom attention processor, LoRA with
 active dropout or a variant such as DoRA) are found once per forward, before any op runs: strict
 mode raises :class:`flowlock.StrictModeError` naming the module; audit mode records the fallback and
@@ -262,12 +267,12 @@ class Run:
 
 _ACTIVE = threading.local()
 
-# Set on the functions flowlock.patch installs as block / norm_out forwards.
+# Set on the functions flowlock.patch installs as forwards of the modules the root forward calls.
 STRICT_MARK = "__flowlock_strict__"
 
 
 def active_run() -> Run | None:
-    """The ``Run`` of the root forward currently calling a block, if any."""
+    """The ``Run`` of the root forward currently calling a submodule, if any."""
     return getattr(_ACTIVE, "run", None)
 
 
@@ -277,7 +282,7 @@ def call_with_run(run: Run, module: nn.Module, *args):
     wants one dtype per unit), with ``run`` as the active decisions."""
     if not getattr(module.forward, STRICT_MARK, False):
         raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: call the strict forward through "
-                           "flowlock.patch(model), which routes every block and norm_out too")
+                           "flowlock.patch(model), which routes the blocks and other submodules too")
     previous = active_run()
     _ACTIVE.run = run
     try:
