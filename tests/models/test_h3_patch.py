@@ -234,3 +234,12 @@ def test_strict_forward_refuses_unpatched_blocks():
     model, inputs = tiny_h3(), tiny_inputs(1)
     with pytest.raises(RuntimeError, match="flowlock.patch"):
         strict_forward(model, **inputs)
+
+
+def test_return_dict_false_gives_the_tuple():
+    model, inputs = tiny_h3(), tiny_inputs(1)
+    with flowlock.patch(model), torch.no_grad():
+        out = model(**inputs)
+        plain = model(**inputs, return_dict=False)
+    assert isinstance(plain, tuple)
+    assert_bitwise_equal(plain, (out.sample, out.audio_sample), "tuple vs output")
