@@ -1,7 +1,6 @@
 """The rollout/replay consistency run: reports numbers, and sees a planted batch-dependent model."""
 
 import json
-import re
 
 import pytest
 import torch
@@ -59,16 +58,11 @@ def test_same_composition_replay_is_bitwise(model):
     assert report["bitwise_equal"] and report["first_difference"] == [None, None]
 
 
-def test_strict_mode(model):
-    try:
-        from flowlock.models.minimax_h3.patch import patch  # noqa: F401
-    except ImportError as err:
-        # Until the strict path lands, the run says which flowlock piece is missing instead of faking it.
-        with pytest.raises(NotImplementedError, match=re.escape(str(err.name))):
-            run_consistency(model, n_samples=2, steps=1, mode="strict")
-        return
+def test_strict_mode_replays_bitwise_and_unpatches(model):
+    forward = model.forward
     report = run_consistency(model, n_samples=2, steps=1, rollout_batch=2, replay_micro_batch=1, mode="strict")
     assert report["bitwise_equal"], report
+    assert model.forward == forward
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -24,7 +24,6 @@ from flowlock.testing import mismatch_count
 
 REPLAY_ORDERS = ("same", "reversed", "shuffled")
 RUN_MODES = ("strict", "provider")
-_STRICT_PATCH_MODULE = "flowlock.models.minimax_h3.patch"
 
 
 def _layout():
@@ -156,8 +155,7 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
     compositions; ``replay_order`` is ``"same"``, ``"reversed"`` or ``"shuffled"`` (seeded).
     Grids: H3 video/audio shifts, ``convention="evaluations"`` (``steps`` transitions). Log-probs:
     verl flavour, joint 0.5/0.5. ``mode="provider"`` runs the stock diffusers forward;
-    ``mode="strict"`` runs it under ``flowlock.models.minimax_h3.patch.patch(model, mode="strict")``
-    and raises ``NotImplementedError`` while that patch (or a flowlock module it needs) does not exist.
+    ``mode="strict"`` runs it under ``flowlock.patch(model, mode="strict")``, removed afterwards.
 
     Returns per-step ``max_abs_dlogp``, ``logp_mismatches`` (samples whose log-prob bits differ),
     ``velocity_mismatches`` / ``velocity_elements``, ``ratio_spread`` (``max |exp(Δ) - 1|``), and
@@ -173,15 +171,7 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
         raise ValueError(f"mode must be one of {RUN_MODES}, got {mode!r}")
     args = (model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order)
     if mode == "strict":
-        try:
-            from flowlock.models.minimax_h3.patch import patch
-        except ImportError as err:
-            # Only a missing flowlock piece means "not implemented yet"; any other import error is real.
-            if not (err.name or "").startswith("flowlock."):
-                raise
-            raise NotImplementedError(f"mode='strict' needs {_STRICT_PATCH_MODULE}.patch, whose import fails on "
-                                      f"the missing {err.name}; run mode='provider' meanwhile") from err
-        handle = patch(model, mode="strict")
+        handle = flowlock.patch(model, mode="strict")
         try:
             with flowlock.mode("strict"):
                 sched, rollout, replay = _run(*args)
