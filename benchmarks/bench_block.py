@@ -19,7 +19,6 @@ the tiny H3 on CPU to check the script).
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from collections import defaultdict
@@ -32,27 +31,6 @@ import flowlock
 GATE_TESTS = ("tests/models",)
 FULL_SEQ = (4096, 16384)
 SMOKE_SEQ = (40, 64)
-
-
-def full_config() -> dict:
-    """H3's full widths (the diffusers defaults) with 2 blocks and 1 refiner block."""
-    return dict(num_attention_heads=56, attention_head_dim=128, hidden_size=5376, num_layers=2, num_refiner_layers=1,
-                ffn_dim=14336, in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=5120,
-                freq_dim=256, time_embed_hidden_dim=5376, time_embed_dim=2688, rope_freq_dim=16)
-
-
-def layout_for(seq: int):
-    """Text ~5%, audio ~15% (absorbing the rounding), video the rest on a (t, h, w) grid."""
-    from flowlock.models.minimax_h3.layout import build_layout
-
-    text, audio = max(1, round(0.05 * seq)), max(1, round(0.15 * seq))
-    video = seq - text - audio
-    for hw in (64, 16, 4, 1):
-        if video >= 4 * hw:
-            side = int(math.isqrt(hw))
-            t = video // hw
-            return build_layout(text, t, side, side, seq - text - t * hw)
-    raise ValueError(f"sequence of {seq} rows is too short for a layout")
 
 
 def _outputs(model, inputs: dict, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,20 +131,21 @@ def checks(model, inputs2: dict, cots2, mode: str, runs: int = 3) -> dict:
 
 
 def main(argv=None) -> int:
-    from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, make_h3, tiny_inputs
+    from flowlock.models.minimax_h3.layout import layout_for_length
+    from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, full_width_config, make_h3, tiny_inputs
 
     args = harness.parse_args(__doc__.splitlines()[0], argv)
     device = torch.device(args.device)
     gate = harness.gate_or_exit(args, list(GATE_TESTS))
     torch.backends.cuda.matmul.allow_tf32 = False
-    config = dict(TINY_H3_CONFIG) if args.smoke else full_config()
+    config = dict(TINY_H3_CONFIG) if args.smoke else full_width_config(num_layers=2, num_refiner_layers=1)
     seqs = SMOKE_SEQ if args.smoke else FULL_SEQ
-    model = make_h3(config, seed=0, dtype=torch.bfloat16, device=device)
+    model = make_h3(config, seed=0, dtype=torch.bfloat16, device=device, draw_on_device=not args.smoke)
     handle = flowlock.patch(model, mode="strict")
     rows = []
     try:
         for s in seqs:
-            layout = layout_for(s)
+            layout = layout_for_length(s)
             inputs = tiny_inputs(1, seed=s, config=config, layout=layout, device=device)
             cots = cotangents_for(model, inputs)
 

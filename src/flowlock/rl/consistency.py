@@ -11,11 +11,12 @@ replayed log-prob has the same bits as the rollout's; the run reports how far it
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
 import flowlock
-from flowlock.models.minimax_h3 import build_layout, tiny_inputs
+from flowlock.models.minimax_h3 import H3Layout, build_layout, tiny_inputs
 from flowlock.rl.noise import batch_noise, initial_latents
 from flowlock.rl.schedules import h3_schedules
 from flowlock.rl.trajectory import Trajectory, compare
@@ -26,9 +27,15 @@ REPLAY_ORDERS = ("same", "reversed", "shuffled")
 RUN_MODES = ("strict", "provider")
 
 
-def _layout():
+def _default_layout():
     # S = 24 rows (5 text, 2x2x3 video, 7 audio): small, and deliberately not a tile multiple.
     return build_layout(num_text=5, latent_t=2, latent_h=2, latent_w=3, audio_rows=7)
+
+
+def _synchronized_clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -56,9 +63,9 @@ def _stacked(trajectories: list[Trajectory], step: int, name: str, rows: list[in
     return torch.stack([trajectories[i].steps[step][name] for i in rows]).to(device)
 
 
-def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order):
+def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order, layout, seconds):
     device = next(model.parameters()).device
-    layout = _layout().to(device)
+    layout = layout.to(device)
     config = dict(model.config)
     inputs = tiny_inputs(n_samples, seed=seed, config=config, layout=layout, device=device)
     layout_kwargs = layout.model_kwargs()
@@ -78,6 +85,7 @@ def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, 
         b.run = dict(a.run)
 
     stored = []
+    start_clock = _synchronized_clock(device)
     for k in range(sched.num_transitions):
         timestep = torch.stack([sched.video_timesteps[k], sched.audio_timesteps[k]]).to(device)
         sigmas = ((sched.video_sigmas[k], sched.video_sigmas[k + 1]),
@@ -99,11 +107,13 @@ def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, 
         stored.append((timestep, sigmas))
         xv, xa = next_v, next_a
 
+    seconds["rollout"] = _synchronized_clock(device) - start_clock
     order = list(ids)
     if replay_order == "reversed":
         order.reverse()
     elif replay_order == "shuffled":
         random.Random(seed).shuffle(order)
+    start_clock = _synchronized_clock(device)
     for k, (timestep, sigmas) in enumerate(stored):
         for start in range(0, n_samples, replay_micro_batch):
             rows = order[start:start + replay_micro_batch]
@@ -118,6 +128,7 @@ def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, 
                                 ("velocity.video", vel_v[j]), ("velocity.audio", vel_a[j]),
                                 ("next.video", nv[j]), ("next.audio", na[j]), ("log_prob", lp[j])):
                     replay[i].record(k, name, t)
+    seconds["replay"] = _synchronized_clock(device) - start_clock
     return sched, rollout, replay
 
 
@@ -147,7 +158,7 @@ def _report(sched, rollout, replay) -> list[dict]:
 
 def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0.8, seed: int = 0,
                     rollout_batch: int | None = None, replay_micro_batch: int = 1, replay_order: str = "reversed",
-                    mode: str) -> dict:
+                    layout: H3Layout | None = None, mode: str) -> dict:
     """Rollout then replay ``n_samples`` samples through ``steps`` CPS transitions; JSON-able report.
 
     ``model``: a diffusers ``MiniMaxH3Transformer3DModel`` (e.g. ``flowlock.models.minimax_h3.tiny_h3()``).
@@ -159,7 +170,10 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
 
     Returns per-step ``max_abs_dlogp``, ``logp_mismatches`` (samples whose log-prob bits differ),
     ``velocity_mismatches`` / ``velocity_elements``, ``ratio_spread`` (``max |exp(Δ) - 1|``), and
-    per sample the first tensor where replay diverged from rollout (``None`` if none did).
+    per sample the first tensor where replay diverged from rollout (``None`` if none did), the
+    sequence length, and wall seconds of the rollout and the replay (device-synchronized; the first
+    call of a process includes kernel compilation). ``layout`` is the packed layout every sample
+    shares (default: 24 rows of the tiny model).
     """
     n_samples = _check_positive_int("n_samples", n_samples)
     steps = _check_positive_int("steps", steps)
@@ -169,7 +183,9 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
         raise ValueError(f"replay_order must be one of {REPLAY_ORDERS}, got {replay_order!r}")
     if mode not in RUN_MODES:
         raise ValueError(f"mode must be one of {RUN_MODES}, got {mode!r}")
-    args = (model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order)
+    layout = layout or _default_layout()
+    seconds: dict[str, float] = {}
+    args = (model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order, layout, seconds)
     if mode == "strict":
         handle = flowlock.patch(model, mode="strict")
         try:
@@ -194,4 +210,6 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
         "ratio_spread": max(s["ratio_spread"] for s in per_step),
         "bitwise_equal": all(s["logp_mismatches"] == 0 and s["velocity_mismatches"] == 0 for s in per_step),
         "first_difference": first,
+        "seq_len": layout.seq_len,
+        "seconds": seconds,
     }

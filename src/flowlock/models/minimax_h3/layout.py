@@ -8,6 +8,7 @@ use timestep 0 (the video noise level) and audio rows timestep 1, as in H3's two
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,3 +64,16 @@ def build_layout(num_text: int, latent_t: int, latent_h: int, latent_w: int, aud
         audio_indices=ar[num_text + num_video:].clone(),
         text_indices=ar[:num_text].clone(),
     )
+
+
+def layout_for_length(seq: int) -> H3Layout:
+    """A layout of exactly ``seq`` rows: text ~5%, audio ~15% (absorbing the rounding), video the
+    rest on a ``(t, h, w)`` grid of square frames."""
+    text, audio = max(1, round(0.05 * seq)), max(1, round(0.15 * seq))
+    video = seq - text - audio
+    for hw in (64, 16, 4, 1):
+        if video >= 4 * hw:
+            side = math.isqrt(hw)
+            t = video // hw
+            return build_layout(text, t, side, side, seq - text - t * hw)
+    raise ValueError(f"a sequence of {seq} rows is too short for a three-modality layout")

@@ -28,18 +28,31 @@ TINY_H3_CONFIG = dict(
     rope_freq_dim=16,
 )
 
+def full_width_config(num_layers: int, num_refiner_layers: int) -> dict:
+    """H3's full widths (the diffusers defaults) with ``num_layers`` blocks and ``num_refiner_layers``
+    refiner blocks: the stand-in for the 33B model in GPU evidence (per-block time scales linearly)."""
+    return dict(num_attention_heads=56, attention_head_dim=128, hidden_size=5376, num_layers=num_layers,
+                num_refiner_layers=num_refiner_layers, ffn_dim=14336, in_channels=24, audio_in_channels=32,
+                patch_size=(1, 2, 2), text_dim=5120, freq_dim=256, time_embed_hidden_dim=5376,
+                time_embed_dim=2688, rope_freq_dim=16)
+
+
 FP32_MODULES = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out", "rope")
 
 
 def make_h3(config: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-            device: torch.device | str = "cpu"):
+            device: torch.device | str = "cpu", draw_on_device: bool = False):
     """Build the diffusers H3 model with seeded random weights; FP32 modules stay FP32, the rest ``dtype``.
 
-    Weights are drawn on the CPU so the same seed gives the same model on every device.
+    Weights are drawn on the CPU so the same seed gives the same model on every device, unless
+    ``draw_on_device`` (full-width models: drawing billions of values on a GPU takes seconds, not
+    minutes; the weights then depend on the device's generator).
     """
     from diffusers import MiniMaxH3Transformer3DModel
 
-    with torch.random.fork_rng(devices=[]):
+    draw = torch.device(device) if draw_on_device else torch.device("cpu")
+    devices = [draw.index or 0] if draw.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), draw:
         torch.manual_seed(seed)
         model = MiniMaxH3Transformer3DModel(**config)
         # Default inits leave the AdaLN tables near zero; widen them so modulation matters in tests.
