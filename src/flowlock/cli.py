@@ -31,7 +31,7 @@ def _device(name: str):
     return torch.device(name)
 
 
-def _load_model(model_dir: str | None, device, width: str, layers: int):
+def _load_model(model_dir: str | None, device, width: str = "tiny", layers: int = 2):
     """The diffusers H3 from ``model_dir`` (checkpoint dtypes: BF16 with the FP32 modules), else a
     random-weight H3: the embedded tiny one, or H3's full widths with ``layers`` blocks."""
     import torch
