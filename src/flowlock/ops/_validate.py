@@ -2,13 +2,18 @@
 
 Every check runs before any kernel launch and raises ``TypeError`` (wrong type or dtype) or
 ``ValueError`` (shape, device, range) naming the offending argument, so a bad call never leaves an
-output half-written. Range checks on index tensors read two scalars back to the host; model code
-that validated its indices once per forward passes ``check_indices=False`` to the ops it calls.
+output half-written. Range checks read values back to the host, which stalls the launch queue; the
+values they read (an index tensor's min and max, whether a tensor is finite and in a range) are
+memoized per tensor object, keyed by its storage pointer and autograd version counter, so a tensor
+reused across calls (a layout's indices, a schedule) is read once. Writes that bypass the version
+counter (``.data``, raw kernels) are not seen: such callers must pass fresh tensors. Model code that
+validated its indices once per forward passes ``check_indices=False`` to the ops it calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,8 +40,8 @@ def check_tensor(
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if shape is not None:
         if t.ndim != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
-            want = tuple("*" if e is None else e for e in shape)
-            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+            want = ", ".join("*" if e is None else str(e) for e in shape)
+            raise ValueError(f"{name} must have shape ({want}), got {tuple(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     return t
@@ -52,8 +57,7 @@ def check_index(name: str, idx: object, *, length: int | None, upper: int, devic
     if length is not None and idx.shape[0] != length:
         raise ValueError(f"{name} must have {length} entries, got {idx.shape[0]}")
     if check_range and idx.numel() > 0:
-        lo, hi = torch.aminmax(idx)
-        lo, hi = int(lo), int(hi)
+        lo, hi = _memoized(idx, "aminmax", lambda: tuple(int(v) for v in torch.aminmax(idx)))
         if lo < 0 or hi >= upper:
             raise ValueError(f"{name} values must lie in [0, {upper}), got min {lo} max {hi}")
     return idx
@@ -63,7 +67,33 @@ def check_finite_range(name: str, t: torch.Tensor, lo: float, hi: float) -> None
     """Every value of ``t`` must be finite and in ``[lo, hi]`` (a host readback)."""
     if t.numel() == 0:
         return
-    bad = ~torch.isfinite(t) | (t < lo) | (t > hi)
-    if bool(bad.any()):
-        first = t[bad].flatten()[0].item()
+    first = _memoized(t, ("range", lo, hi), lambda: _first_outside(t, lo, hi))
+    if first is not None:
         raise ValueError(f"{name} values must lie in [{lo}, {hi}], found {first}")
+
+
+def _first_outside(t: torch.Tensor, lo: float, hi: float) -> float | None:
+    bad = ~torch.isfinite(t) | (t < lo) | (t > hi)
+    return t[bad].flatten()[0].item() if bool(bad.any()) else None
+
+
+# id(tensor) -> (weak reference, {what: (stamp, value)}); tensors compare elementwise, so they cannot
+# be dictionary keys themselves. The weak reference's callback drops the entry with the tensor.
+_MEMO: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _memoized(t: torch.Tensor, what: object, compute: Callable[[], object]) -> object:
+    """``compute()`` for ``t``, reused while ``t`` keeps its storage pointer and version counter."""
+    stamp = (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()))
+    key = id(t)
+    slot = _MEMO.get(key)
+    if slot is None or slot[0]() is not t:
+        slot = (weakref.ref(t, lambda _, key=key: _MEMO.pop(key, None)), {})
+        _MEMO[key] = slot
+    entries = slot[1]
+    hit = entries.get(what)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    value = compute()
+    entries[what] = (stamp, value)
+    return value
