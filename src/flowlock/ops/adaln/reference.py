@@ -19,7 +19,11 @@ from flowlock.ops.segment_sum.reference import gather_rows_reference
 def _projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                 compute: torch.dtype) -> torch.Tensor:
     act = st_round(F.silu(temb.to(compute)), torch.bfloat16)
-    return st_round(F.linear(act, weight.to(compute), bias.to(compute)), torch.bfloat16)
+    # Accumulate in float64 whatever the compute dtype: a CPU FP32 GEMM picks its summation order
+    # from the row count T (seen at H3 widths: a row's table differed alone vs beside two other
+    # timesteps), while float64 sums rounded once do not depend on the other rows.
+    out = F.linear(act.double(), weight.double(), bias.double()).to(compute)
+    return st_round(out, torch.bfloat16)
 
 
 def adaln_projection_reference(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
