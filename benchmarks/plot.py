@@ -3,7 +3,8 @@
 ``python benchmarks/plot.py benchmarks/results/conditioning.json [...] [--out-dir DIR]`` writes
 ``<name>.png`` next to each JSON (or into ``--out-dir``). Conditioning results give a bar chart of
 speedups (diffusers time / flowlock time, forward and backward) per op and shape and a line chart
-of speedup against S; block results give strict/provider time ratios and peak memory per S.
+of speedup against S; block results give strict/provider time ratios and peak memory per S;
+linear results give throughput relative to cuBLAS per shape; attention results TFLOP/s against S.
 """
 
 from __future__ import annotations
@@ -98,13 +99,62 @@ def plot_block(payload: dict, path: Path) -> Path:
     return path
 
 
-PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block}
+def plot_linear(payload: dict, path: Path) -> Path:
+    plt = _pyplot()
+    cases = payload["cases"]
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases)), 5))
+    labels = [f"{c['shape']}\nM={c['m']}" for c in cases]
+    width = 0.27
+    for i, phase in enumerate(("fwd", "dx", "dw")):
+        ax.bar([x + (i - 1) * width for x in range(len(cases))],
+               [c[phase]["ratio_of_cublas_throughput"] for c in cases], width, label=phase)
+    for target, style in ((0.85, "--"), (0.80, ":")):
+        ax.axhline(target, color="black", linestyle=style, linewidth=0.8)
+    ax.set_xticks(range(len(cases)), labels, fontsize=8)
+    ax.set_ylabel("flowlock / cuBLAS throughput")
+    ax.legend()
+    fig.suptitle(f"linear on {payload['environment'].get('gpu', '?')}, {str(payload.get('commit', '?'))[:10]} "
+                 "(targets: fwd 0.85, dX/dW 0.80)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_attention(payload: dict, path: Path) -> Path:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, phase in zip(axes, ("fwd", "bwd")):
+        rows = [r for r in payload["timings"] if r["phase"] == phase]
+        for impl in sorted({r["impl"] for r in rows}):
+            pts = sorted((r["seq"], r["tflops"]) for r in rows if r["impl"] == impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("S")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(phase)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"attention (B=1, {payload['heads']} heads, D={payload['dim']}) on {payload.get('gpu', '?')}, "
+                 f"{str(payload.get('commit', '?'))[:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block, "linear": plot_linear,
+            "attention": plot_attention}
+
+
+def _kind(payload: dict) -> str | None:
+    # bench_attention's JSON predates the shared harness and carries no "benchmark" key.
+    return payload.get("benchmark") or ("attention" if "timings" in payload and "heads" in payload else None)
 
 
 def plot(json_path: Path, out_dir: Path | None = None) -> Path:
     """Draw one result JSON; returns the PNG path. ``ValueError`` for an unknown benchmark kind."""
     payload = json.loads(Path(json_path).read_text())
-    kind = payload.get("benchmark")
+    kind = _kind(payload)
     if kind not in PLOTTERS:
         raise ValueError(f"{json_path}: no plot for benchmark kind {kind!r} (known: {sorted(PLOTTERS)})")
     out = (out_dir or Path(json_path).parent) / (Path(json_path).stem + ".png")
