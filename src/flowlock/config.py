@@ -145,4 +145,5 @@ register("adaln_proj_bwd_weight", "bf16", "any", _cfg(4, BLOCK_N=32, BLOCK_K=16,
 register("adaln_proj_bwd_weight", "bf16", "sm90", _cfg(4, 1, BLOCK_N=64, BLOCK_K=128,
                                                        note="dW written once; T rows streamed per tile"))
 register("adaln_gather", "fp32", "any", _cfg(4, BLOCK_S=16, BLOCK_H=32, note="row gather, memory-bound"))
-register("adaln_gather", "fp32", "sm90", _cfg(4, BLOCK_S=16, BLOCK_H=256, note="row gather, memory-bound"))
+register("adaln_gather", "fp32", "sm90", _cfg(4, BLOCK_S=4, BLOCK_H=512,
+                                              note="all six chunks per program, 512-wide rows; by design"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from flowlock.dispatch import interpreter_active
 
@@ -30,3 +31,13 @@ def arch_of(t: torch.Tensor) -> str:
 def dtype_key(dtype: torch.dtype) -> str:
     """Short dtype key used by the launch-config tables."""
     return TORCH_TO_TL_NAME[dtype]
+
+
+def traced() -> bool:
+    """True while torch.compile/export traces or a dispatch mode (fake, proxy, user) is active.
+
+    Autograd nodes then reach their launchers through the registered custom ops, which tracing must
+    see as opaque; eager calls launch directly and skip the op's dispatcher round trip (about 10 us
+    of host time per call, measured on CPU), which decides small-S speed.
+    """
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode()

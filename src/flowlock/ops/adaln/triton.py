@@ -17,7 +17,7 @@ import triton.language as tl
 from flowlock.config import launch_config
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops._triton_utils import arch_of, traced
 from flowlock.ops.segment_sum.triton import segment_sum_fwd
 
 
@@ -113,8 +113,16 @@ def _adaln_table_bwd_weight_kernel(g_ptr, act_ptr, dw_ptr, db_ptr, T, N, E,
 
 
 @triton.jit
-def _adaln_modulation_fwd_kernel(table_ptr, ti_ptr, tag_ptr, out_ptr, S, H, ROW_STRIDE, COL0,
-                                 BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out_ptr, H, ROW_STRIDE, C: tl.constexpr):
+    vals = tl.load(table_ptr + rows[:, None] * ROW_STRIDE + C * H + offs_h[None, :], mask=mask, other=0.0)
+    # The table holds BF16 values, so narrowing is exact.
+    tl.store(out_ptr + offs_s[:, None] * H + offs_h[None, :], from_f32(vals, tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _adaln_modulation_fwd_kernel(table_ptr, ti_ptr, tag_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
+                                 out5_ptr, S, H, ROW_STRIDE, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    # One launch for all six chunks: the indices are read once per row block, not once per chunk.
     offs_s = (tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
     offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     mask_s = offs_s < S
@@ -122,9 +130,12 @@ def _adaln_modulation_fwd_kernel(table_ptr, ti_ptr, tag_ptr, out_ptr, S, H, ROW_
     ti = tl.load(ti_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
     tag = tl.load(tag_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
     rows = ti * 3 + tag
-    vals = tl.load(table_ptr + rows[:, None] * ROW_STRIDE + COL0 + offs_h[None, :], mask=mask, other=0.0)
-    # The table holds BF16 values, so narrowing is exact.
-    tl.store(out_ptr + offs_s[:, None] * H + offs_h[None, :], from_f32(vals, tl.bfloat16), mask=mask)
+    _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out0_ptr, H, ROW_STRIDE, 0)
+    _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out1_ptr, H, ROW_STRIDE, 1)
+    _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out2_ptr, H, ROW_STRIDE, 2)
+    _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out3_ptr, H, ROW_STRIDE, 3)
+    _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out4_ptr, H, ROW_STRIDE, 4)
+    _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out5_ptr, H, ROW_STRIDE, 5)
 
 
 def silu_act(temb: torch.Tensor) -> torch.Tensor:
@@ -196,20 +207,22 @@ def adaln_modulation_fwd(table: torch.Tensor, timestep_indices: torch.Tensor,
     h = table.shape[1] // 6
     cfg = launch_config("adaln_gather", table.dtype, arch_of(table))
     grid = (triton.cdiv(s, cfg["BLOCK_S"]), triton.cdiv(h, cfg["BLOCK_H"]))
-    outs = []
-    for c in range(6):
-        out = torch.empty((s, h), dtype=torch.bfloat16, device=table.device)
-        _adaln_modulation_fwd_kernel[grid](table, timestep_indices, token_tags, out, s, h, table.stride(0), c * h,
-                                           BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"],
-                                           num_warps=cfg.num_warps)
-        outs.append(out)
-    return tuple(outs)
+    outs = tuple(torch.empty((s, h), dtype=torch.bfloat16, device=table.device) for _ in range(6))
+    _adaln_modulation_fwd_kernel[grid](table, timestep_indices, token_tags, *outs, s, h, table.stride(0),
+                                       BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg.num_warps)
+    return outs
 
 
-def adaln_modulation_bwd(grads: tuple[torch.Tensor, ...], rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Six ``(S, H)`` gradients -> the ``(3T, 6H)`` FP32 table gradient by a deterministic segmented sum
-    (``rows``: the ``(S,)`` table row ``ti*3 + tag`` of each gradient row)."""
-    return segment_sum_fwd(torch.cat(grads, dim=1), rows, num_rows)
+def adaln_modulation_bwd(grads: tuple[torch.Tensor | None, ...], rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Six ``(S, H)`` gradients (``None``: zero) -> the ``(3T, 6H)`` FP32 table gradient by deterministic
+    segmented sums (``rows``: the ``(S,)`` table row ``ti*3 + tag`` of each gradient row).
+
+    One segmented sum per chunk reads each gradient once; concatenating them first would copy all six
+    ``(S, H)`` gradients. A column's sum does not depend on its neighbours, so the bits are the same.
+    """
+    h = next(g.shape[1] for g in grads if g is not None)
+    return torch.cat([segment_sum_fwd(g.contiguous(), rows, num_rows) if g is not None
+                      else rows.new_zeros((num_rows, h), dtype=torch.float32) for g in grads], dim=1)
 
 
 @torch.library.custom_op("flowlock::adaln_table_fwd", mutates_args=())
@@ -275,16 +288,19 @@ def _(grads, rows, num_rows):
 def projection_vjp(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, weight: torch.Tensor,
                    need_temb: bool, need_params: bool
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(d_temb, dW, db)`` through the custom ops, ``None`` where not needed."""
+    """``(d_temb, dW, db)``, ``None`` where not needed; through the custom ops when traced."""
+    if not traced():
+        return adaln_table_bwd(grad, temb, act, weight, need_temb=need_temb, need_params=need_params)
     d_temb = _adaln_table_bwd_temb_op(grad, temb, act, weight) if need_temb else None
     d_weight, d_bias = _adaln_table_bwd_params_op(grad, temb, act, weight) if need_params else (None, None)
     return d_temb, d_weight, d_bias
 
 
 def projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(act, table)``: the BF16 activation and the ``(T, N)`` FP32 table, through the custom op."""
+    """``(act, table)``: the BF16 activation and the ``(T, N)`` FP32 table (through the custom op when
+    traced)."""
     act = silu_act(temb)
-    return act, _adaln_table_fwd_op(act, weight, bias)
+    return act, (_adaln_table_fwd_op if traced() else adaln_table_fwd)(act, weight, bias)
 
 
 class AdalnTableFunction(torch.autograd.Function):
@@ -310,7 +326,10 @@ class AdalnModulationFunction(torch.autograd.Function):
     def forward(ctx, temb, weight, bias, timestep_indices, token_tags):
         act, table = projection(temb, weight, bias)
         ctx.save_for_backward(temb, act, weight, timestep_indices, token_tags)
-        return tuple(_adaln_modulation_fwd_op(table.view(3 * temb.shape[0], -1), timestep_indices, token_tags))
+        table = table.view(3 * temb.shape[0], -1)
+        if traced():
+            return tuple(_adaln_modulation_fwd_op(table, timestep_indices, token_tags))
+        return adaln_modulation_fwd(table, timestep_indices, token_tags)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -320,9 +339,12 @@ class AdalnModulationFunction(torch.autograd.Function):
         s = timestep_indices.shape[0]
         if all(g is None for g in grads):
             return None, None, None, None, None
-        grads = [g.contiguous() if g is not None else act.new_zeros((s, h)) for g in grads]
         rows = timestep_indices.long() * 3 + token_tags.long()
-        d_table = _adaln_modulation_bwd_op(grads, rows, 3 * t)
+        if traced():
+            grads = [g.contiguous() if g is not None else act.new_zeros((s, h)) for g in grads]
+            d_table = _adaln_modulation_bwd_op(grads, rows, 3 * t)
+        else:
+            d_table = adaln_modulation_bwd(grads, rows, 3 * t)
         need = ctx.needs_input_grad
         d_temb, d_weight, d_bias = projection_vjp(d_table.view(t, 18 * h), temb, act, weight,
                                                   need[0], need[1] or need[2])

@@ -5,16 +5,30 @@ from __future__ import annotations
 
 import torch
 
+from flowlock.ops._triton_utils import traced
 from flowlock.ops.adaln.triton import projection, projection_vjp
 from flowlock.ops.rms_norm.triton import rms_norm_bwd, rms_norm_fwd
+
+
+def _norm_fwd(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tensor, timestep_indices: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.shape[-1]
+    return rms_norm_fwd(x, norm_weight, eps, table[:, :h], table[:, h:], timestep_indices)
+
+
+def _norm_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor, table: torch.Tensor,
+              timestep_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h = x.shape[-1]
+    dx, d_norm_weight, d_shift, d_scale = rms_norm_bwd(dy, x, norm_weight, rstd, table[:, :h], table[:, h:],
+                                                       timestep_indices)
+    return dx, d_norm_weight.to(norm_weight.dtype), torch.cat([d_shift, d_scale], dim=1)
 
 
 @torch.library.custom_op("flowlock::final_adaln_norm_fwd", mutates_args=())
 def _final_adaln_norm_fwd_op(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tensor,
                              timestep_indices: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)``: the norm modulated by ``table = [shift | scale]`` ``(T, 2H)`` FP32, one opaque op."""
-    h = x.shape[-1]
-    return rms_norm_fwd(x, norm_weight, eps, table[:, :h], table[:, h:], timestep_indices)
+    return _norm_fwd(x, norm_weight, table, timestep_indices, eps)
 
 
 @_final_adaln_norm_fwd_op.register_fake
@@ -27,10 +41,7 @@ def _final_adaln_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, norm_weight: tor
                              table: torch.Tensor, timestep_indices: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, d_norm_weight, d_table (T, 2H) fp32)``: the FP32 shift/scale sums, never rounded."""
-    h = x.shape[-1]
-    dx, d_norm_weight, d_shift, d_scale = rms_norm_bwd(dy, x, norm_weight, rstd, table[:, :h], table[:, h:],
-                                                       timestep_indices)
-    return dx, d_norm_weight.to(norm_weight.dtype), torch.cat([d_shift, d_scale], dim=1)
+    return _norm_bwd(dy, x, norm_weight, rstd, table, timestep_indices)
 
 
 @_final_adaln_norm_bwd_op.register_fake
@@ -44,15 +55,15 @@ class FinalAdalnOutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, temb, norm_weight, weight, bias, timestep_indices, eps):
         act, table = projection(temb, weight, bias)
-        y, rstd = _final_adaln_norm_fwd_op(x, norm_weight, table, timestep_indices, eps)
+        y, rstd = (_final_adaln_norm_fwd_op if traced() else _norm_fwd)(x, norm_weight, table, timestep_indices, eps)
         ctx.save_for_backward(x, temb, act, norm_weight, weight, table, rstd, timestep_indices)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, temb, act, norm_weight, weight, table, rstd, timestep_indices = ctx.saved_tensors
-        dx, d_norm_weight, d_table = _final_adaln_norm_bwd_op(dy.contiguous(), x, norm_weight, rstd, table,
-                                                              timestep_indices)
+        norm_bwd = _final_adaln_norm_bwd_op if traced() else _norm_bwd
+        dx, d_norm_weight, d_table = norm_bwd(dy.contiguous(), x, norm_weight, rstd, table, timestep_indices)
         need = ctx.needs_input_grad
         # The FP32 shift/scale gradient goes straight into the projection backward.
         d_temb, d_weight, d_bias = projection_vjp(d_table, temb, act, weight, need[1], need[3] or need[4])

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops._triton_utils import arch_of, traced
 from flowlock.ops.segment_sum.triton import segment_sum_fwd
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -65,8 +65,7 @@ def gate_residual_fwd(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tenso
 
 def gate_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d_y like y, d_gate (R, H) fp32)``. Trusted: inputs are not validated."""
-    dout = dout.contiguous()
+    """``(d_y like y, d_gate (R, H) fp32)``; ``dout`` contiguous. Trusted: inputs are not validated."""
     dy = _launch(None, dout, gate, index)
     h = y.shape[-1]
     dgate = segment_sum_fwd(dout.reshape(-1, h), index, gate.shape[0], other=y.reshape(-1, h),
@@ -105,10 +104,15 @@ class GateResidualFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, gate, y, index):
         ctx.save_for_backward(gate, y, index)
-        return _gate_residual_fwd_op(residual, gate, y, index)
+        return (_gate_residual_fwd_op if traced() else gate_residual_fwd)(residual, gate, y, index)
 
     @staticmethod
     def backward(ctx, dout):
         gate, y, index = ctx.saved_tensors
-        dy, dgate = _gate_residual_bwd_op(dout.contiguous(), gate, y, index)
+        dout = dout.contiguous()
+        if traced():
+            dy, dgate = _gate_residual_bwd_op(dout, gate, y, index)
+        else:
+            dy, dgate = gate_residual_bwd(dout, gate, y, index)
+            dgate = dgate.to(gate.dtype)
         return dout, dgate, dy, None
