@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flowlock.dispatch import backend_for
-from flowlock.ops._validate import FLOAT_DTYPES, check_finite_range, check_tensor
+from flowlock.ops._validate import FLOAT_DTYPES, check_tensor
 from flowlock.ops.euler.reference import euler_step_reference
 from flowlock.ops.euler.triton import EulerStepFunction
 
 
 def _per_sample_scalar(name: str, v: object, batch: int, device: torch.device) -> torch.Tensor:
     check_tensor(name, v, dtypes=(torch.float32,), device=device)
-    if v.ndim == 0:
-        return v.reshape(1).expand(batch).contiguous()
-    if v.ndim != 1 or v.shape[0] != batch:
+    if v.ndim != 0 and (v.ndim != 1 or v.shape[0] != batch):
         raise ValueError(f"{name} must be a 0-d tensor or have shape ({batch},) matching sample's dim 0, "
                          f"got {tuple(v.shape)}")
-    return v.contiguous()
+    return v
+
+
+def _check_schedule(timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
+    """Range checks of the schedule scalars with one host read-back (one stack, one copy) for all three:
+    fresh schedule tensors every step would miss any memo, and a sync per check stalls the queue."""
+    t, s, n = torch.stack(torch.broadcast_tensors(timestep, sigma, sigma_next)).reshape(3, -1).tolist()
+    for name, values, lo, hi in (("timestep", t, 0.0, 1.0), ("sigma", s, 0.0, math.inf),
+                                 ("sigma_next", n, 0.0, math.inf)):
+        bad = next((v for v in values if not (math.isfinite(v) and lo <= v <= hi)), None)
+        if bad is not None:
+            raise ValueError(f"{name} values must lie in [{lo}, {hi}], found {bad}")
+        nonpositive = next((v for v in values if v <= 0), None) if name == "sigma" else None
+        if nonpositive is not None:
+            raise ValueError(f"sigma must be > 0, found {nonpositive}")
+    if any(b > a for a, b in zip(s, n)):
+        raise ValueError("sigma_next must lie in [0, sigma]")
 
 
 def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
@@ -49,14 +65,9 @@ def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Ten
     timestep = _per_sample_scalar("timestep", timestep, batch, sample.device)
     sigma = _per_sample_scalar("sigma", sigma, batch, sample.device)
     sigma_next = _per_sample_scalar("sigma_next", sigma_next, batch, sample.device)
-    check_finite_range("timestep", timestep, 0.0, 1.0)
-    check_finite_range("sigma", sigma, 0.0, float("inf"))
-    if bool((sigma <= 0).any()):
-        raise ValueError(f"sigma must be > 0, found {sigma[sigma <= 0][0].item()}")
-    check_finite_range("sigma_next", sigma_next, 0.0, float("inf"))
-    if bool((sigma_next > sigma).any()):
-        raise ValueError("sigma_next must lie in [0, sigma]")
+    _check_schedule(timestep, sigma, sigma_next)
     backend = backend_for("euler_step", sample, velocity, timestep, sigma, sigma_next)
     if backend == "triton":
         return EulerStepFunction.apply(sample, velocity, timestep, sigma, sigma_next)
-    return euler_step_reference(sample, velocity, timestep, sigma, sigma_next)
+    return euler_step_reference(sample, velocity, timestep.expand(batch), sigma.expand(batch),
+                                sigma_next.expand(batch))

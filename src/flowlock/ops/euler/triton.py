@@ -21,7 +21,7 @@ TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float1
 
 
 @triton.jit
-def _euler_step_fwd_kernel(x_ptr, v_ptr, st_ptr, r_ptr, omr_ptr, out_ptr, n_per_sample,
+def _euler_step_fwd_kernel(x_ptr, v_ptr, st_ptr, r_ptr, omr_ptr, out_ptr, n_per_sample, st_stride, r_stride,
                            BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     b = tl.program_id(1)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -29,9 +29,9 @@ def _euler_step_fwd_kernel(x_ptr, v_ptr, st_ptr, r_ptr, omr_ptr, out_ptr, n_per_
     base = b.to(tl.int64) * n_per_sample
     x = to_f32(tl.load(x_ptr + base + offs, mask=mask, other=0.0))
     v = to_f32(tl.load(v_ptr + base + offs, mask=mask, other=0.0))
-    sigma_t = to_f32(tl.load(st_ptr + b))
-    r = tl.load(r_ptr + b)
-    omr = tl.load(omr_ptr + b)
+    sigma_t = to_f32(tl.load(st_ptr + b * st_stride))
+    r = tl.load(r_ptr + b * r_stride)
+    omr = tl.load(omr_ptr + b * r_stride)
     step = round_f32(sigma_t * v, DTYPE)
     denoised = round_f32(x + step, DTYPE)
     kept = r * x
@@ -41,16 +41,16 @@ def _euler_step_fwd_kernel(x_ptr, v_ptr, st_ptr, r_ptr, omr_ptr, out_ptr, n_per_
 
 
 @triton.jit
-def _euler_step_bwd_kernel(g_ptr, st_ptr, r_ptr, omr_ptr, gx_ptr, gv_ptr, n_per_sample,
+def _euler_step_bwd_kernel(g_ptr, st_ptr, r_ptr, omr_ptr, gx_ptr, gv_ptr, n_per_sample, st_stride, r_stride,
                            BLOCK: tl.constexpr, DTYPE: tl.constexpr):
     b = tl.program_id(1)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_per_sample
     base = b.to(tl.int64) * n_per_sample
     g = to_f32(tl.load(g_ptr + base + offs, mask=mask, other=0.0))
-    sigma_t = to_f32(tl.load(st_ptr + b))
-    r = tl.load(r_ptr + b)
-    omr = tl.load(omr_ptr + b)
+    sigma_t = to_f32(tl.load(st_ptr + b * st_stride))
+    r = tl.load(r_ptr + b * r_stride)
+    omr = tl.load(omr_ptr + b * r_stride)
     g_denoised = omr * g
     gx = r * g + g_denoised
     gv = g_denoised * sigma_t
@@ -60,12 +60,17 @@ def _euler_step_bwd_kernel(g_ptr, st_ptr, r_ptr, omr_ptr, gx_ptr, gv_ptr, n_per_
 
 def step_scalars(dtype: torch.dtype, timestep: torch.Tensor, sigma: torch.Tensor,
                  sigma_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(1 - t)`` in ``dtype``, ``r`` and ``1 - r`` in the compute dtype, each ``(B,)``, computed with
+    """``(1 - t)`` in ``dtype``, ``r`` and ``1 - r`` in the compute dtype, each 0-d or ``(B,)`` as its
+    inputs broadcast (never expanded in memory: the kernels read them by stride), computed with
     diffusers' torch ops so the bits match on every device."""
     cdt = compute_dtype(dtype)
-    sigma_t = (1 - timestep.to(dtype)).contiguous()
-    ratio = (sigma_next.to(cdt) / sigma.to(cdt)).contiguous()
-    return sigma_t, ratio, (1.0 - ratio).contiguous()
+    ratio = sigma_next.to(cdt) / sigma.to(cdt)
+    return 1 - timestep.to(dtype), ratio, 1.0 - ratio
+
+
+def _stride(v: torch.Tensor) -> int:
+    """Element stride between samples of a per-sample scalar: 0 for a 0-d one (shared by all)."""
+    return v.stride(0) if v.ndim else 0
 
 
 def _grid(x: torch.Tensor, block: int) -> tuple[int, int]:
@@ -80,7 +85,7 @@ def euler_step_fwd(sample: torch.Tensor, velocity: torch.Tensor, sigma_t: torch.
         return out
     cfg = launch_config("euler_step", sample.dtype, arch_of(sample))
     _euler_step_fwd_kernel[_grid(sample, cfg["BLOCK"])](
-        sample, velocity, sigma_t, ratio, one_minus_ratio, out, sample[0].numel(),
+        sample, velocity, sigma_t, ratio, one_minus_ratio, out, sample[0].numel(), _stride(sigma_t), _stride(ratio),
         BLOCK=cfg["BLOCK"], DTYPE=TL_DTYPE[sample.dtype], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
@@ -95,7 +100,7 @@ def euler_step_bwd(grad: torch.Tensor, sigma_t: torch.Tensor, ratio: torch.Tenso
         return gx, gv
     cfg = launch_config("euler_step", grad.dtype, arch_of(grad))
     _euler_step_bwd_kernel[_grid(grad, cfg["BLOCK"])](
-        grad, sigma_t, ratio, one_minus_ratio, gx, gv, grad[0].numel(),
+        grad, sigma_t, ratio, one_minus_ratio, gx, gv, grad[0].numel(), _stride(sigma_t), _stride(ratio),
         BLOCK=cfg["BLOCK"], DTYPE=TL_DTYPE[grad.dtype], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False)
     return gx, gv
