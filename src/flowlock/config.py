@@ -68,8 +68,10 @@ for _dt in ("fp32", "bf16", "fp16"):
     register("rms_norm_bwd", _dt, "sm90", _cfg(16, TILE_ROWS=64, SUB_ROWS=1, note="rows one by one, 16 warps"))
     register("gate_residual", _dt, "any", _cfg(4, ROWS=16, BLOCK_H=64, note="interpreter-sized"))
     register("gate_residual", _dt, "sm90", _cfg(4, ROWS=1, BLOCK_H=1024, note="elementwise, memory-bound"))
-register("segment_sum_fold", "fp32", "any", _cfg(4, BLOCK=256, note="sequential fold over tiles"))
-register("segment_sum_fold", "fp32", "sm90", _cfg(4, BLOCK=1024, note="sequential fold over tiles"))
+# fold_partials: GROUP (tiles per program per level) is part of the reduction order; "any" keeps it small so
+# CPU tests cross several groups and levels.
+register("fold_partials", "fp32", "any", _cfg(4, GROUP=4, BLOCK=256, note="interpreter-sized"))
+register("fold_partials", "fp32", "sm90", _cfg(4, GROUP=32, BLOCK=512, note="by design, not yet timed on an H200"))
 
 # timestep, euler, swiglu, qk_norm_rope: sizes by design (memory-bound elementwise / GEMV), not yet timed on an H200.
 for _dt in ("fp32", "bf16", "fp16"):
@@ -86,6 +88,7 @@ register("swiglu", "bf16", "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
 register("swiglu", "bf16", "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
 register("qk_norm_rope_fwd", "bf16", "any", _cfg(4, note="one (token, head) row per program"))
 register("qk_norm_rope_bwd", "bf16", "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
+register("qk_norm_rope_bwd", "bf16", "sm90", _cfg(4, TILE_ROWS=256, note="256 rows per program: 8x fewer partials"))
 
 # rows (gather_rows / scatter_rows): pure copies; BLOCK_H by design (bandwidth-bound), not yet timed on an H200.
 for _dt in ("fp32", "bf16", "fp16"):

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 import flowlock
 from flowlock.ops.segment_sum import segment_sum
-from flowlock.ops.segment_sum.reference import segment_sum_golden
+from flowlock.ops.segment_sum.fold import fold_group
+from flowlock.ops.segment_sum.reference import fold_partials_reference, segment_sum_golden
 from flowlock.ops.segment_sum.triton import (
     segment_sum_fold,
     segment_sum_fwd,
@@ -56,17 +57,14 @@ def test_empty_segments_are_zero():
 
 
 def _python_fold(partials):
-    acc = partials[0].clone()
-    for t in range(1, partials.shape[0]):
-        acc = acc + partials[t]
-    return acc
+    return fold_partials_reference(partials, fold_group("interp"))
 
 
 @settings(max_examples=12, deadline=None)
-@given(s=st.integers(1, 150), n=st.integers(1, 40), r=st.integers(1, 5), seed=st.integers(0, 2**16),
+@given(s=st.integers(1, 400), n=st.integers(1, 40), r=st.integers(1, 5), seed=st.integers(0, 2**16),
        bf16=st.booleans())
-def test_layout_contract_tiles_and_ascending_fold(s, n, r, seed, bf16):
-    """Tile t's partial equals the sum of its rows run alone; the fold adds tiles in ascending order."""
+def test_layout_contract_tiles_and_grouped_fold(s, n, r, seed, bf16):
+    """Tile t's partial equals the sum of its rows run alone; the fold is ``fold_partials``' grouped order."""
     values, index = _inputs(s, n, r, torch.bfloat16 if bf16 else torch.float32, seed)
     partials = segment_sum_partials(values, index, r)
     rows = tile_rows(values.dtype, "interp")

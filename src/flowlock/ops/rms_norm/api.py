@@ -34,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         differs, so results agree with eager to about one unit in the last place).
 
     Guarantees (Triton): each row is a pure function of that row (batch-invariant); dx is row-pure;
-    dweight sums the rows over fixed 64-row tiles folded in ascending order (repeatable).
+    dweight sums the rows over fixed 64-row tiles folded in a fixed multi-level order (repeatable).
     """
     _check_x_weight(x, weight, 1)
     eps = check_eps(eps)
@@ -63,7 +63,7 @@ def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor
         table the modulation is bitwise equal to ``MiniMaxH3TransformerBlock`` / ``norm_out``.
 
     Guarantees (Triton): rows pure (batch-invariant); dx row-pure; dweight, dshift, dscale are fp32
-    sums over fixed 64-row tiles of all ``(batch x S)`` rows, folded ascending (repeatable), rounded
+    sums over fixed 64-row tiles of all ``(batch x S)`` rows, folded in a fixed order (repeatable), rounded
     once to the table's dtype (kept fp32 for a float32 table).
     """
     _check_x_weight(x, weight, 2)

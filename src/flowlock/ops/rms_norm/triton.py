@@ -4,7 +4,7 @@ Forward: a fixed number of rows per program (a config constant), each row reduce
 fixed ``tl.sum`` tree over H, at PyTorch's rounding points (see ``reference.py``). Backward: one
 program per fixed 64-row tile walks its rows in ascending chunks, writes each row's dx (row-pure)
 and sums the rows' dweight terms in a fixed order into a tile partial; the
-partials are folded in ascending tile order by ``segment_sum_fold`` (``R = 1``). The modulation's
+partials are folded by the shared fixed-order multi-level ``fold_partials``. The modulation's
 table gradients are segment sums over all ``(batch x S)`` rows, also through ``segment_sum``.
 """
 
@@ -17,7 +17,8 @@ import triton.language as tl
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._triton_utils import arch_of
-from flowlock.ops.segment_sum.triton import segment_sum_fold, segment_sum_fwd
+from flowlock.ops.segment_sum.fold import fold_partials
+from flowlock.ops.segment_sum.triton import segment_sum_fwd
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -137,7 +138,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     cfg = launch_config("rms_norm_bwd", x.dtype, arch_of(x))
     tiles = max(triton.cdiv(m, cfg["TILE_ROWS"]), 1)
     dx = torch.empty_like(x)
-    partials = torch.empty((tiles, 1, h), dtype=torch.float32, device=x.device)
+    partials = torch.empty((tiles, h), dtype=torch.float32, device=x.device)
     has_mod = shift is not None
     # Without modulation the kernel never touches ``normed``; dx stands in as a valid pointer.
     normed = torch.empty((m, h), dtype=x.dtype, device=x.device) if has_mod else dx
@@ -149,7 +150,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
             BLOCK_H=_block_h(h),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    dweight = segment_sum_fold(partials)[0]
+    dweight = fold_partials(partials)
     if not has_mod:
         return dx, dweight, None, None
     rows = dy.reshape(m, h)

@@ -24,9 +24,10 @@ def segment_sum(values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
         ``(R, N)`` float32; segments without rows are zero.
 
     Guarantees: on Triton, rows are summed in fp32 over fixed 64-row tiles (a fixed tree per tile)
-    and the tile partials are folded in ascending order, so the bits depend only on the inputs and
-    are repeatable; no atomics, no sorting. The reference sums in fp64 and rounds once. The Triton
-    path has no autograd (it is a backward building block): ``values`` requiring grad is refused.
+    and the tile partials are folded in fixed ascending groups, level by level (``fold_partials``), so
+    the bits depend only on the inputs and are repeatable; no atomics, no sorting. The reference sums
+    in fp64 and rounds once. The Triton path has no autograd (it is a backward building block):
+    ``values`` requiring grad is refused.
     """
     check_tensor("values", values, dtypes=FLOAT_DTYPES, ndim=2)
     if isinstance(num_segments, bool) or not isinstance(num_segments, int):

@@ -39,3 +39,22 @@ def gather_rows_reference(table: torch.Tensor, index: torch.Tensor) -> torch.Ten
     """``table[index]`` whose backward is a segment sum in fp64 rounded once to the table dtype
     (deterministic, unlike ``index_select``'s scatter-add backward)."""
     return _GatherRows.apply(table, index)
+
+
+def fold_partials_reference(partials: torch.Tensor, group: int) -> torch.Tensor:
+    """PyTorch spec of ``fold_partials``' order: fp32 ``(T, ...)`` -> ``(...)``, bitwise equal to it.
+
+    Each level sums groups of ``group`` consecutive rows left to right in fp32, starting from the
+    group's first row; levels repeat until one row is left (at least one level runs).
+    """
+    rows = list(partials.to(torch.float32).unbind(0))
+    while True:
+        sums = []
+        for first in range(0, len(rows), group):
+            acc = rows[first].clone()
+            for row in rows[first + 1:first + group]:
+                acc = acc + row
+            sums.append(acc)
+        rows = sums
+        if len(rows) == 1:
+            return rows[0]

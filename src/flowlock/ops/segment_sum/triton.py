@@ -1,10 +1,10 @@
-"""Triton segment_sum: per-tile partial sums, then an ascending fold over the tiles.
+"""Triton segment_sum: per-tile partial sums, then a fixed multi-level fold over the tiles.
 
 Layout contract shared with consumers that write partials themselves: rows are cut into tiles of
 :func:`tile_rows` (64) consecutive rows; tile ``t`` writes ``partials[t, r, :]``, the sum of its rows
-whose segment is ``r`` (zero when it has none), for every ``r``; the fold adds ``partials[0]``,
-``partials[1]``, ... in that order in fp32. Neither step depends on anything but the row count, so the
-result is repeatable, and never uses atomics.
+whose segment is ``r`` (zero when it has none), for every ``r``; the tiles are then folded in fp32 by
+:func:`~flowlock.ops.segment_sum.fold.fold_partials` (ascending groups of a frozen size, level by level).
+Neither step depends on anything but the row count, so the result is repeatable, and never uses atomics.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import triton.language as tl
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import to_f32
 from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum.fold import fold_partials
 
 
 @triton.jit
@@ -40,19 +41,6 @@ def _segment_sum_partials_kernel(
         # A fixed tl.sum tree over the tile's rows; rows of other segments contribute exact zeros.
         part = tl.sum(tl.where(segment[:, None] == r, v, 0.0), axis=0)
         tl.store(out + r * N, part, mask=col_mask)
-
-
-@triton.jit
-def _segment_sum_fold_kernel(partials_ptr, out_ptr, num_tiles, RN, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < RN
-    ptrs = partials_ptr + offs
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for _ in range(1, num_tiles):
-        # Advance the pointer rather than forming t * RN, which can pass 2^31 in int32.
-        ptrs += RN
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc, mask=mask)
 
 
 def tile_rows(dtype: torch.dtype, arch: str) -> int:
@@ -86,16 +74,9 @@ def segment_sum_partials(values: torch.Tensor, index: torch.Tensor, num_segments
 
 
 def segment_sum_fold(partials: torch.Tensor) -> torch.Tensor:
-    """Fold ``(num_tiles, R, N)`` fp32 partials in ascending tile order into ``(R, N)`` fp32."""
-    tiles, r, n = partials.shape
-    out = torch.empty((r, n), dtype=torch.float32, device=partials.device)
-    if out.numel() == 0:
-        return out
-    cfg = launch_config("segment_sum_fold", torch.float32, arch_of(partials))
-    _segment_sum_fold_kernel[(triton.cdiv(r * n, cfg["BLOCK"]),)](
-        partials, out, tiles, r * n, BLOCK=cfg["BLOCK"], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
+    """Fold ``(num_tiles, R, N)`` fp32 partials (``num_tiles >= 1``) into ``(R, N)`` fp32 with
+    :func:`fold_partials`, the shared fixed-order multi-level fold."""
+    return fold_partials(partials)
 
 
 def segment_sum_fwd(values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
