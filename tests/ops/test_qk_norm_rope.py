@@ -9,7 +9,10 @@ from hypothesis import strategies as st
 
 import flowlock
 from flowlock.ops.qk_norm_rope import qk_norm_rope
+from flowlock.ops.qk_norm_rope import triton as qk_triton
 from flowlock.ops.qk_norm_rope.reference import qk_norm_rope_golden
+from flowlock.ops.segment_sum.fold import fold_group, fold_partials
+from flowlock.ops.segment_sum.reference import fold_partials_reference
 from flowlock.testing import (
     assert_batch_invariant,
     assert_bitwise_equal,
@@ -57,7 +60,7 @@ def _grads(fn, x, w, cos, sin, grad):
     return out.detach(), x.grad, w.grad
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1, 8, 8), (2, 7, 3, 40, 24), (1, 33, 2, 24, 16)])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 8, 8), (2, 7, 3, 40, 24), (1, 33, 2, 24, 16), (1, 33, 5, 24, 16)])
 def test_forward_and_grads_within_fp64_budget(shape):
     x, w, cos, sin = _inputs(*shape, seed=1)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -103,6 +106,23 @@ def test_rows_pure_and_harness_catches_planted_failure():
         return (_apply_rotary_emb((xf * inv * w.float()).bfloat16(), cos, sin),)
 
     assert batch_invariance_failures(planted, x)
+
+
+def test_dweight_is_the_shared_fold_of_tile_partials(monkeypatch):
+    """165 rows = 6 interpreter tiles = 2 fold groups: dweight is fold_partials' order, rounded once to bf16."""
+    seen = []
+
+    def recording_fold(partials):
+        seen.append(partials.clone())
+        return fold_partials(partials)
+
+    monkeypatch.setattr(qk_triton, "fold_partials", recording_fold)
+    x, w, cos, sin = _inputs(1, 33, 5, 24, 16, seed=8)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
+    _, _, dweight = _grads(_triton, x, w, cos, sin, grad)
+    (partials,) = seen
+    assert partials.shape == (6, 24) and 6 > fold_group("interp")
+    assert_bitwise_equal(dweight, fold_partials_reference(partials, fold_group("interp")).bfloat16())
 
 
 def test_repeatable_including_dweight():

@@ -4,8 +4,8 @@ Forward: one program per (token, head) row of D channels. The rotate-half partne
 (``j ± R/2``) is recomputed from its own load rather than shuffled across registers, so every value
 is rounded exactly where eager BF16 rounds it. Backward: one program per fixed tile of
 ``TILE_ROWS`` rows (a layout constant, never derived from the token count or the GPU); dx rows are
-pure, and the weight gradient is a per-tile float32 partial (rows ascending) folded over tiles in
-ascending order by a second kernel: no atomics.
+pure, and the weight gradient is a per-tile float32 partial (rows ascending) folded over tiles by the
+shared fixed-order multi-level ``fold_partials``, then rounded once to bf16: no atomics.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton.language as tl
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum.fold import fold_partials
 
 
 @triton.jit
@@ -86,16 +87,6 @@ def _qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_p
     tl.store(dw_part_ptr + tile.to(tl.int64) * D + j, dw, mask=mask)
 
 
-@triton.jit
-def _fold_tiles_kernel(part_ptr, out_ptr, TILES, D, BLOCK_D: tl.constexpr):
-    j = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = j < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for t in range(0, TILES):
-        acc = acc + tl.load(part_ptr + t * D + j, mask=mask, other=0.0)
-    tl.store(out_ptr + j, from_f32(round_f32(acc, tl.bfloat16), tl.bfloat16), mask=mask)
-
-
 def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      eps: float) -> torch.Tensor:
     """Trusted launcher: contiguous bf16 ``(B, S, heads, D)``, bf16 ``(D,)``, fp32 ``(S, R)`` -> like x."""
@@ -112,23 +103,23 @@ def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
 
 
 def qk_norm_rope_bwd(x, weight, cos, sin, eps, grad) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trusted launcher: ``(dx like x, dweight (D,) bf16)``; dweight = fixed-tile partials folded ascending."""
+    """Trusted launcher: ``(dx like x, dweight (D,) bf16)``; dweight = fixed ``TILE_ROWS``-row tile partials,
+    folded by :func:`fold_partials` and rounded once to bf16 (round to nearest even)."""
     grad = grad.contiguous()
     b, s, heads, d = x.shape
     rows = b * s * heads
     dx = torch.empty_like(x)
-    dweight = torch.empty_like(weight)
     cfg = launch_config("qk_norm_rope_bwd", x.dtype, arch_of(x))
     tile_rows = cfg["TILE_ROWS"]
     tiles = triton.cdiv(rows, tile_rows)
-    partials = torch.empty((max(tiles, 1), d), dtype=torch.float32, device=x.device)
-    block_d = triton.next_power_of_2(d)
-    if tiles:
-        _qk_norm_rope_bwd_kernel[(tiles,)](x, weight, cos, sin, grad, dx, partials, rows, s, heads, d,
-                                           cos.shape[1], float(eps), TILE_ROWS=tile_rows, BLOCK_D=block_d,
-                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _fold_tiles_kernel[(1,)](partials, dweight, tiles, d, BLOCK_D=block_d, num_warps=cfg.num_warps)
-    return dx, dweight
+    if tiles == 0:
+        return dx, torch.zeros_like(weight)
+    partials = torch.empty((tiles, d), dtype=torch.float32, device=x.device)
+    _qk_norm_rope_bwd_kernel[(tiles,)](x, weight, cos, sin, grad, dx, partials, rows, s, heads, d,
+                                       cos.shape[1], float(eps), TILE_ROWS=tile_rows,
+                                       BLOCK_D=triton.next_power_of_2(d), num_warps=cfg.num_warps,
+                                       num_stages=cfg.num_stages)
+    return dx, fold_partials(partials).to(weight.dtype)
 
 
 class QkNormRopeFunction(torch.autograd.Function):
