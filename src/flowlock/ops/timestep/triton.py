@@ -6,8 +6,9 @@ Sinusoid: one program per timestep; the only arithmetic before sin/cos is the fl
 interpreter has no libdevice and uses numpy's sin/cos instead.
 
 MLP: T is 1..8, so every layer is a GEMV-style pass that streams each weight tile once for a fixed
-group of ``BLOCK_M`` rows. Each output element sums its K range in ascending ``BLOCK_K`` chunks
-(a fixed in-chunk reduction per chunk), so it depends only on its own input row: rows are pure.
+group of ``BLOCK_M`` rows. Each output element sums each fixed ``SPLIT_K`` slice of K in ascending
+``BLOCK_K`` chunks (a fixed in-chunk reduction per chunk), then the slices in ascending order, so it
+depends only on its own input row: rows are pure.
 Weight and bias gradients sum over the T rows in ascending order inside one program: no atomics.
 """
 
@@ -75,28 +76,10 @@ def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.conste
 
 
 @triton.jit
-def _rows_gemv_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, stride_wn, stride_wk,
-                      EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """``out[m, n] = Σ_k a[m, k]·w[n, k]`` (a row-major ``(M, K)``, w by strides), then the epilogue:
-    0 adds ``bias`` (if given); 1 adds ``bias``, stores it to ``pre`` and writes ``silu``; 2 multiplies
+def _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, mask, EPILOGUE: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """0 adds ``bias`` (if given); 1 adds ``bias``, stores it to ``pre`` and writes ``silu``; 2 multiplies
     by ``silu'(pre)`` (the SiLU backward)."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks.to(tl.int64)[None, :] * stride_wk,
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = acc + tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-    mask = row_mask[:, None] & col_mask[None, :]
-    offs = rows64[:, None] * N + cols64[None, :]
     if bias_ptr is not None:
         acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if EPILOGUE == 1:
@@ -107,6 +90,53 @@ def _rows_gemv_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, stride_
         sig = tl.math.div_rn(1.0, 1.0 + _exp(-pre, INTERPRET))
         acc = acc * (sig * (1.0 + pre * (1.0 - sig)))
     tl.store(out_ptr + offs, acc, mask=mask)
+
+
+@triton.jit
+def _rows_gemv_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, part_ptr, M, N, K, stride_wn, stride_wk,
+                      EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """``Σ_k a[m, k]·w[n, k]`` (a row-major ``(M, K)``, w by strides) over the ``SPLIT_K``-long K slice
+    ``program_id(2)``, in ascending ``BLOCK_K`` chunks. With one slice the epilogue follows directly;
+    otherwise the slice's sum goes to ``part[slice, m, n]`` for :func:`_gemv_fold_kernel`."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    row_mask = rows < M
+    col_mask = cols < N
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * SPLIT_K
+    for k0 in range(k_start, tl.minimum(k_start + SPLIT_K, K), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks.to(tl.int64)[None, :] * stride_wk,
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = acc + tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows64[:, None] * N + cols64[None, :]
+    if SPLITS == 1:
+        _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, mask, EPILOGUE, INTERPRET)
+    else:
+        tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
+
+
+@triton.jit
+def _gemv_fold_kernel(part_ptr, bias_ptr, pre_ptr, out_ptr, M, N, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold the K-slice sums in ascending slice order (a fixed order set by K alone), then the epilogue."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols.to(tl.int64)[None, :]
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for split in range(1, SPLITS):
+        acc = acc + tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0)
+    _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, mask, EPILOGUE, INTERPRET)
 
 
 @triton.jit
@@ -175,11 +205,24 @@ def _gemv(a: torch.Tensor, w: torch.Tensor, stride_wn: int, stride_wk: int, n: i
     if epilogue == 1:
         pre = torch.empty_like(out)
     cfg = launch_config("timestep_mlp", torch.float32, arch_of(a))
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-    _rows_gemv_kernel[grid](a, w, bias, pre, out, m, n, k, stride_wn, stride_wk, EPILOGUE=epilogue,
+    # K is cut into fixed SPLIT_K slices (a function of K alone, never of T) so a long-K layer keeps
+    # enough programs streaming the weight; the slices are folded in ascending order.
+    split_k = cfg["SPLIT_K"]
+    if split_k % cfg["BLOCK_K"]:
+        # A slice's last chunk would run into the next slice and count those columns twice.
+        raise ValueError(f"timestep_mlp: SPLIT_K {split_k} must be a multiple of BLOCK_K {cfg['BLOCK_K']}")
+    splits = triton.cdiv(k, split_k)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=a.device) if splits > 1 else None
+    interpret = interpreter_active()
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)
+    _rows_gemv_kernel[grid](a, w, bias, pre, out, part, m, n, k, stride_wn, stride_wk, EPILOGUE=epilogue,
                             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                            INTERPRET=interpreter_active(), num_warps=cfg.num_warps,
+                            SPLIT_K=split_k, SPLITS=splits, INTERPRET=interpret, num_warps=cfg.num_warps,
                             num_stages=cfg.num_stages, enable_reflect_ftz=False)
+    if splits > 1:
+        _gemv_fold_kernel[grid[:2]](part, bias, pre, out, m, n, EPILOGUE=epilogue, BLOCK_M=cfg["BLOCK_M"],
+                                    BLOCK_N=cfg["BLOCK_N"], SPLITS=splits, INTERPRET=interpret,
+                                    num_warps=cfg.num_warps, enable_reflect_ftz=False)
     return out, pre
 
 
