@@ -88,6 +88,26 @@ def test_per_sample_schedule_bitwise_hypothesis(dtype, batch, width, seed, t0, s
         assert_bitwise_equal(triton_out[b:b + 1], expected, f"sample {b}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_scalar_and_strided_schedules_read_by_stride(dtype):
+    """0-d and strided (B,) schedule tensors mixed: the kernels read them by stride (no expanded
+    copies); forward and gradients bitwise those of contiguous (B,) schedules, forward bitwise the
+    reference's."""
+    sample, velocity = _data((3, 9), dtype, 21)
+    t = torch.tensor(0.4)
+    sigma = torch.tensor([0.7, 0.0, 0.6, 0.0, 0.5, 0.0])[::2]
+    sigma_next = torch.tensor(0.3)
+    results = []
+    for schedule in ((t, sigma, sigma_next), (t.expand(3).contiguous(), sigma.contiguous(),
+                                              sigma_next.expand(3).contiguous())):
+        x, v = sample.clone().requires_grad_(), velocity.clone().requires_grad_()
+        out = _run("triton", x, v, *schedule)
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))
+        results.append((out.detach(), x.grad, v.grad))
+    assert_bitwise_equal(results[0], results[1])
+    assert_bitwise_equal(results[0][0], _run("reference", sample, velocity, t, sigma, sigma_next))
+
+
 def test_square_sample_per_sample_sigma_does_not_broadcast_over_channels():
     """sample (R, C) with R == C and a (R,) sigma: each row gets its own sigma (dim 0), as diffusers
     run per sample; a channel-wise broadcast would differ."""
