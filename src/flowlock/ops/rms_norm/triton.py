@@ -16,7 +16,7 @@ import triton.language as tl
 
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops._triton_utils import arch_of, traced
 from flowlock.ops.segment_sum.fold import fold_partials
 from flowlock.ops.segment_sum.triton import segment_sum_fwd
 
@@ -160,10 +160,12 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     return dx, dweight, dshift, dscale
 
 
-@torch.library.custom_op("flowlock::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_fwd_pair(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)`` as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
     return rms_norm_fwd(x, weight, eps)
+
+
+_rms_norm_fwd_op = torch.library.custom_op("flowlock::rms_norm_fwd", _rms_norm_fwd_pair, mutates_args=())
 
 
 @_rms_norm_fwd_op.register_fake
@@ -171,12 +173,14 @@ def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty((x.numel() // max(x.shape[-1], 1),), dtype=torch.float32)
 
 
-@torch.library.custom_op("flowlock::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd_pair(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight in weight.dtype)``."""
     dx, dweight, _, _ = rms_norm_bwd(dy, x, weight, rstd)
     return dx, dweight.to(weight.dtype)
+
+
+_rms_norm_bwd_op = torch.library.custom_op("flowlock::rms_norm_bwd", _rms_norm_bwd_pair, mutates_args=())
 
 
 @_rms_norm_bwd_op.register_fake
@@ -184,11 +188,14 @@ def _(dy, x, weight, rstd):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-@torch.library.custom_op("flowlock::rms_norm_modulate_fwd", mutates_args=())
-def _rms_norm_modulate_fwd_op(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                              index: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_modulate_fwd_pair(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                                index: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)`` of the modulated norm as one opaque op."""
     return rms_norm_fwd(x, weight, eps, shift, scale, index)
+
+
+_rms_norm_modulate_fwd_op = torch.library.custom_op("flowlock::rms_norm_modulate_fwd", _rms_norm_modulate_fwd_pair,
+                          mutates_args=())
 
 
 @_rms_norm_modulate_fwd_op.register_fake
@@ -196,13 +203,16 @@ def _(x, weight, shift, scale, index, eps):
     return x.new_empty(x.shape), x.new_empty((x.numel() // max(x.shape[-1], 1),), dtype=torch.float32)
 
 
-@torch.library.custom_op("flowlock::rms_norm_modulate_bwd", mutates_args=())
-def _rms_norm_modulate_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                              shift: torch.Tensor, scale: torch.Tensor, index: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rms_norm_modulate_bwd_pair(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                                shift: torch.Tensor, scale: torch.Tensor, index: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dweight, dshift, dscale)``, each parameter gradient rounded once to its tensor's dtype."""
     dx, dweight, dshift, dscale = rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
     return dx, dweight.to(weight.dtype), dshift.to(shift.dtype), dscale.to(scale.dtype)
+
+
+_rms_norm_modulate_bwd_op = torch.library.custom_op("flowlock::rms_norm_modulate_bwd", _rms_norm_modulate_bwd_pair,
+                          mutates_args=())
 
 
 @_rms_norm_modulate_bwd_op.register_fake
@@ -216,14 +226,14 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = _rms_norm_fwd_op(x, weight, eps)
+        y, rstd = (_rms_norm_fwd_op if traced() else _rms_norm_fwd_pair)(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dweight = _rms_norm_bwd_op(dy.contiguous(), x, weight, rstd)
+        dx, dweight = (_rms_norm_bwd_op if traced() else _rms_norm_bwd_pair)(dy.contiguous(), x, weight, rstd)
         return dx, dweight, None
 
 
@@ -232,12 +242,14 @@ class RMSNormModulateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, shift, scale, index, eps):
-        y, rstd = _rms_norm_modulate_fwd_op(x, weight, shift, scale, index, eps)
+        fwd = _rms_norm_modulate_fwd_op if traced() else _rms_norm_modulate_fwd_pair
+        y, rstd = fwd(x, weight, shift, scale, index, eps)
         ctx.save_for_backward(x, weight, rstd, shift, scale, index)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd, shift, scale, index = ctx.saved_tensors
-        dx, dweight, dshift, dscale = _rms_norm_modulate_bwd_op(dy.contiguous(), x, weight, rstd, shift, scale, index)
+        bwd = _rms_norm_modulate_bwd_op if traced() else _rms_norm_modulate_bwd_pair
+        dx, dweight, dshift, dscale = bwd(dy.contiguous(), x, weight, rstd, shift, scale, index)
         return dx, dweight, dshift, dscale, None, None
