@@ -25,7 +25,7 @@ import triton.language as tl
 
 from flowlock.config import LaunchConfig, launch_config
 from flowlock.dispatch import interpreter_active
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops._triton_utils import arch_of, traced
 from flowlock.ops.attention.reference import LOG2E
 
 
@@ -341,12 +341,12 @@ def _(dout, q, k, v, out, lse2, scale):
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Autograd boundary over the two custom ops: saves q, k, v, out and the fp32 ``lse2`` (O(S)
+    """Autograd boundary (the two custom ops while tracing, the launchers in eager mode): saves q, k, v, out and the fp32 ``lse2`` (O(S)
     extra memory)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
-        out, lse2 = _attention_fwd_op(q, k, v, scale)
+        out, lse2 = (_attention_fwd_op if traced() else attention_fwd)(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.scale = scale
         return out
@@ -358,5 +358,5 @@ class AttentionFunction(torch.autograd.Function):
             # the kernels address D with unit stride; an expanded or transposed incoming gradient
             # gets one contiguous copy
             dout = dout.contiguous()
-        dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse2, ctx.scale)
+        dq, dk, dv = (_attention_bwd_op if traced() else attention_bwd)(dout, q, k, v, out, lse2, ctx.scale)
         return dq, dk, dv, None

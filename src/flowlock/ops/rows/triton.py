@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from flowlock.config import launch_config
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops._triton_utils import arch_of, traced
 
 
 @triton.jit
@@ -122,12 +122,12 @@ class GatherRowsFunction(torch.autograd.Function):
     def forward(ctx, x, index):
         ctx.save_for_backward(index)
         ctx.seq_len = x.shape[1]
-        return _gather_rows_op(x, index)
+        return (_gather_rows_op if traced() else gather_rows_fwd)(x, index)
 
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        return _scatter_rows_op([grad.contiguous()], [index], ctx.seq_len), None
+        return (_scatter_rows_op if traced() else scatter_rows_fwd)([grad.contiguous()], [index], ctx.seq_len), None
 
 
 class ScatterRowsFunction(torch.autograd.Function):
@@ -137,11 +137,12 @@ class ScatterRowsFunction(torch.autograd.Function):
     def forward(ctx, seq_len, num_parts, *tensors):
         parts, indices = list(tensors[:num_parts]), list(tensors[num_parts:])
         ctx.save_for_backward(*indices)
-        return _scatter_rows_op(parts, indices, seq_len)
+        return (_scatter_rows_op if traced() else scatter_rows_fwd)(parts, indices, seq_len)
 
     @staticmethod
     def backward(ctx, grad):
         indices = ctx.saved_tensors
         grad = grad.contiguous()
-        grads = tuple(_gather_rows_op(grad, index) for index in indices)
+        gather = _gather_rows_op if traced() else gather_rows_fwd
+        grads = tuple(gather(grad, index) for index in indices)
         return (None, None, *grads, *(None for _ in indices))
