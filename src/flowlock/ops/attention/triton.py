@@ -341,8 +341,8 @@ def _(dout, q, k, v, out, lse2, scale):
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Autograd boundary (the two custom ops while tracing, the launchers in eager mode): saves q, k, v, out and the fp32 ``lse2`` (O(S)
-    extra memory)."""
+    """Autograd boundary (the custom ops while tracing, the launchers in eager mode): saves q, k,
+    v, out and the fp32 ``lse2`` (O(S) extra memory)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
