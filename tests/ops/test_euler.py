@@ -230,3 +230,26 @@ def test_bad_inputs_raise_before_launch(backend, mutate, exc, match):
         euler_step(**args)
     for k, v in before.items():
         assert_bitwise_equal(args[k], v, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_schedule_checks_memoized_yet_see_in_place_writes_and_new_partners(backend, monkeypatch):
+    """A reused schedule is read back once; an in-place write or a different partner is checked again."""
+    from flowlock.ops.euler import api
+
+    sample, velocity = _data((3, 7), torch.bfloat16, 21)
+    t, sigma, sigma_next = torch.tensor(0.5), torch.tensor(0.5), torch.tensor(0.25)
+    reads = []
+    real = api._schedule_error
+    monkeypatch.setattr(api, "_schedule_error", lambda *a: reads.append(1) or real(*a))
+    with flowlock.use_backend(backend):
+        for _ in range(3):
+            euler_step(sample, velocity, t, sigma, sigma_next)
+        assert len(reads) == 1
+        sigma_next.fill_(0.6)
+        with pytest.raises(ValueError, match="sigma_next"):
+            euler_step(sample, velocity, t, sigma, sigma_next)
+        with pytest.raises(ValueError, match="sigma_next"):
+            euler_step(sample, velocity, t, sigma, torch.tensor(0.7))
+        euler_step(sample, velocity, t, sigma, torch.tensor(0.1))
+    assert len(reads) == 4

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 from flowlock.dispatch import backend_for
-from flowlock.ops._validate import FLOAT_DTYPES, check_tensor
+from flowlock.ops._validate import FLOAT_DTYPES, _memoized, check_tensor
 from flowlock.ops.euler.reference import euler_step_reference
 from flowlock.ops.euler.triton import EulerStepFunction
 
@@ -20,20 +21,41 @@ def _per_sample_scalar(name: str, v: object, batch: int, device: torch.device) -
     return v
 
 
-def _check_schedule(timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
-    """Range checks of the schedule scalars with one host read-back (one stack, one copy) for all three:
-    fresh schedule tensors every step would miss any memo, and a sync per check stalls the queue."""
+def _schedule_error(timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> str | None:
+    """The first failed schedule check's message, with one host read-back (one stack, one copy) for
+    all three tensors: a sync per check would stall the queue once per check."""
     t, s, n = torch.stack(torch.broadcast_tensors(timestep, sigma, sigma_next)).reshape(3, -1).tolist()
     for name, values, lo, hi in (("timestep", t, 0.0, 1.0), ("sigma", s, 0.0, math.inf),
                                  ("sigma_next", n, 0.0, math.inf)):
         bad = next((v for v in values if not (math.isfinite(v) and lo <= v <= hi)), None)
         if bad is not None:
-            raise ValueError(f"{name} values must lie in [{lo}, {hi}], found {bad}")
+            return f"{name} values must lie in [{lo}, {hi}], found {bad}"
         nonpositive = next((v for v in values if v <= 0), None) if name == "sigma" else None
         if nonpositive is not None:
-            raise ValueError(f"sigma must be > 0, found {nonpositive}")
+            return f"sigma must be > 0, found {nonpositive}"
     if any(b > a for a, b in zip(s, n)):
-        raise ValueError("sigma_next must lie in [0, sigma]")
+        return "sigma_next must lie in [0, sigma]"
+    return None
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())
+
+
+def _check_schedule(timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
+    """Range checks of the schedule scalars, memoized on ``timestep`` (storage and version, via the
+    shared memo) together with the exact ``sigma`` and ``sigma_next`` last seen with it (weak
+    references plus storage and version), so a sampler that reuses its schedule tensors pays the
+    read-back once and fresh tensors pay one read-back per call. The slot is one mutable entry per
+    ``timestep``, overwritten when the partners change, so it never grows."""
+    slot = _memoized(timestep, "euler_schedule", lambda: [None, None, None])
+    refs, stamps, error = slot
+    partners = (_stamp(sigma), _stamp(sigma_next))
+    if refs is None or refs[0]() is not sigma or refs[1]() is not sigma_next or stamps != partners:
+        error = _schedule_error(timestep, sigma, sigma_next)
+        slot[:] = [(weakref.ref(sigma), weakref.ref(sigma_next)), partners, error]
+    if error is not None:
+        raise ValueError(error)
 
 
 def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
