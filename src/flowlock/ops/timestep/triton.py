@@ -5,10 +5,11 @@ Sinusoid: one program per timestep; the only arithmetic before sin/cos is the fl
 (libdevice, the functions torch calls), so the result is bitwise diffusers' on the GPU. The
 interpreter has no libdevice and uses numpy's sin/cos instead.
 
-MLP: T is 1..8, so every layer is a GEMV-style pass that streams each weight tile once for a fixed
-group of ``BLOCK_M`` rows. Each output element sums each fixed ``SPLIT_K`` slice of K in ascending
-``BLOCK_K`` chunks (a fixed in-chunk reduction per chunk), then the slices in ascending order, so it
-depends only on its own input row: rows are pure.
+MLP: T is 1..8, so every layer is a GEMV: each program loads one ``[BLOCK_N, BLOCK_K]`` weight tile
+once (coalesced along w's contiguous axis) and reduces it against each of the T rows in turn, with
+no padded M tile and no ``tl.dot``. Each output element sums each fixed ``BLOCK_K`` slice of K with
+one fixed in-tile tree, then the slices in ascending order, so it depends only on its own input row:
+rows are pure.
 Weight and bias gradients sum over the T rows in ascending order inside one program: no atomics.
 """
 
@@ -76,12 +77,12 @@ def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.conste
 
 
 @triton.jit
-def _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, mask, EPILOGUE: tl.constexpr,
+def _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, mask, EPILOGUE: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """0 adds ``bias`` (if given); 1 adds ``bias``, stores it to ``pre`` and writes ``silu``; 2 multiplies
-    by ``silu'(pre)`` (the SiLU backward)."""
+    by ``silu'(pre)`` (the SiLU backward). ``acc`` is one row's ``BLOCK_N`` columns."""
     if bias_ptr is not None:
-        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        acc = acc + tl.load(bias_ptr + cols, mask=mask, other=0.0)
     if EPILOGUE == 1:
         tl.store(pre_ptr + offs, acc, mask=mask)
         acc = tl.math.div_rn(acc, 1.0 + _exp(-acc, INTERPRET))
@@ -94,49 +95,45 @@ def _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, mask, 
 
 @triton.jit
 def _rows_gemv_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, part_ptr, M, N, K, stride_wn, stride_wk,
-                      EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
-                      INTERPRET: tl.constexpr):
-    """``Σ_k a[m, k]·w[n, k]`` (a row-major ``(M, K)``, w by strides) over the ``SPLIT_K``-long K slice
-    ``program_id(2)``, in ascending ``BLOCK_K`` chunks. With one slice the epilogue follows directly;
-    otherwise the slice's sum goes to ``part[slice, m, n]`` for :func:`_gemv_fold_kernel`."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+                      EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+    """``Σ_k a[m, k]·w[n, k]`` (a row-major ``(M, K)``, w by strides) over the ``BLOCK_K``-long K slice
+    ``program_id(1)`` for every row m. The ``[BLOCK_N, BLOCK_K]`` weight tile is loaded once (the
+    layout follows w's contiguous axis, so the load is coalesced either way) and held in registers
+    while the rows stream past it: each row is one elementwise product and one ``tl.sum`` over the
+    slice, the same code whatever M is. With one slice the epilogue follows directly; otherwise the
+    slice's sum goes to ``part[slice, m, n]`` for :func:`_gemv_fold_kernel`."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    row_mask = rows < M
+    split = tl.program_id(1)
+    ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
     col_mask = cols < N
-    rows64 = rows.to(tl.int64)
+    k_mask = ks < K
     cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * SPLIT_K
-    for k0 in range(k_start, tl.minimum(k_start + SPLIT_K, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks.to(tl.int64)[None, :] * stride_wk,
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = acc + tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-    mask = row_mask[:, None] & col_mask[None, :]
-    offs = rows64[:, None] * N + cols64[None, :]
-    if SPLITS == 1:
-        _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, mask, EPILOGUE, INTERPRET)
-    else:
-        tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
+    w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks.to(tl.int64)[None, :] * stride_wk,
+                mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+    for m in range(0, M):
+        row = tl.full((), 0, tl.int64) + m  # int64 so row * K and row * N cannot wrap
+        a = tl.load(a_ptr + row * K + ks, mask=k_mask, other=0.0)
+        acc = tl.sum(w * a[None, :], axis=1)
+        offs = row * N + cols64
+        if SPLITS == 1:
+            _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, EPILOGUE, INTERPRET)
+        else:
+            tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=col_mask)
 
 
 @triton.jit
-def _gemv_fold_kernel(part_ptr, bias_ptr, pre_ptr, out_ptr, M, N, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Fold the K-slice sums in ascending slice order (a fixed order set by K alone), then the epilogue."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _gemv_fold_kernel(part_ptr, bias_ptr, pre_ptr, out_ptr, M, N, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold row ``program_id(1)``'s K-slice sums in ascending slice order (a fixed order set by K
+    alone), then the epilogue."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    mask = (rows < M)[:, None] & col_mask[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols.to(tl.int64)[None, :]
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    offs = tl.program_id(1).to(tl.int64) * N + cols.to(tl.int64)
+    acc = tl.load(part_ptr + offs, mask=col_mask, other=0.0)
     for split in range(1, SPLITS):
-        acc = acc + tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0)
-    _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, mask, EPILOGUE, INTERPRET)
+        acc = acc + tl.load(part_ptr + split * M * N + offs, mask=col_mask, other=0.0)
+    _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, EPILOGUE, INTERPRET)
 
 
 @triton.jit
@@ -204,25 +201,22 @@ def _gemv(a: torch.Tensor, w: torch.Tensor, stride_wn: int, stride_wk: int, n: i
     out = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if epilogue == 1:
         pre = torch.empty_like(out)
-    cfg = launch_config("timestep_mlp", torch.float32, arch_of(a))
-    # K is cut into fixed SPLIT_K slices (a function of K alone, never of T) so a long-K layer keeps
-    # enough programs streaming the weight; the slices are folded in ascending order.
-    split_k = cfg["SPLIT_K"]
-    if split_k % cfg["BLOCK_K"]:
-        # A slice's last chunk would run into the next slice and count those columns twice.
-        raise ValueError(f"timestep_mlp: SPLIT_K {split_k} must be a multiple of BLOCK_K {cfg['BLOCK_K']}")
-    splits = triton.cdiv(k, split_k)
+    # A transposed read (w's N axis contiguous) wants a wide N tile, a direct one a wide K tile.
+    cfg = launch_config("timestep_mlp_t" if stride_wn == 1 else "timestep_mlp", torch.float32, arch_of(a))
+    # The K slice is the whole tile (a function of the config and K alone, never of T): each program
+    # reads its weight tile once, and the slices are folded in ascending order.
+    block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
+    splits = triton.cdiv(k, block_k)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=a.device) if splits > 1 else None
     interpret = interpreter_active()
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), splits)
-    _rows_gemv_kernel[grid](a, w, bias, pre, out, part, m, n, k, stride_wn, stride_wk, EPILOGUE=epilogue,
-                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                            SPLIT_K=split_k, SPLITS=splits, INTERPRET=interpret, num_warps=cfg.num_warps,
-                            num_stages=cfg.num_stages, enable_reflect_ftz=False)
+    _rows_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
+        a, w, bias, pre, out, part, m, n, k, stride_wn, stride_wk, EPILOGUE=epilogue, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=block_k, SPLITS=splits, INTERPRET=interpret, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, enable_reflect_ftz=False)
     if splits > 1:
-        _gemv_fold_kernel[grid[:2]](part, bias, pre, out, m, n, EPILOGUE=epilogue, BLOCK_M=cfg["BLOCK_M"],
-                                    BLOCK_N=cfg["BLOCK_N"], SPLITS=splits, INTERPRET=interpret,
-                                    num_warps=cfg.num_warps, enable_reflect_ftz=False)
+        _gemv_fold_kernel[(triton.cdiv(n, cfg["FOLD_N"]), m)](
+            part, bias, pre, out, m, n, EPILOGUE=epilogue, BLOCK_N=cfg["FOLD_N"], SPLITS=splits,
+            INTERPRET=interpret, num_warps=cfg.num_warps, enable_reflect_ftz=False)
     return out, pre
 
 
