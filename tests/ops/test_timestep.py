@@ -83,12 +83,13 @@ def test_sinusoid_grad_is_the_documented_pairwise_tree():
     _triton(timestep_sinusoid, tt).backward(g)
     f = sinusoid_freqs(t.device)
     arg = (t[:, None] * f[None, :]).numpy()
-    s, c = torch.from_numpy(np.sin(arg)), torch.from_numpy(np.cos(arg))
+    s, c = torch.from_numpy(np.sin(arg)).double(), torch.from_numpy(np.cos(arg)).double()
+    f, g = f.double(), g.double()
     terms = f * (c * g[:, 128:]) - f * (s * g[:, :128])
     while terms.shape[1] > 1:
         pairs = terms.reshape(3, -1, 2)
         terms = pairs[..., 0] + pairs[..., 1]
-    assert_bitwise_equal(tt.grad, terms[:, 0])
+    assert_bitwise_equal(tt.grad, terms[:, 0].float())
 
 
 def test_sinusoid_batch_invariant_and_repeatable():

@@ -24,7 +24,8 @@ def timestep_sinusoid(t: torch.Tensor) -> torch.Tensor:
     ``.float()``, and a bf16 timestep near 1 has already lost ~40% of the relative precision of
     ``sigma = 1 - t`` before that upcast, so a narrower ``t`` is a caller bug, not something to absorb.
     H3 consumes timesteps unscaled: values outside ``[0, 1]`` (e.g. ``t·1000``) or NaN raise
-    ``ValueError``. Rows are pure; differentiable to ``t`` (fixed pairwise tree over the channels).
+    ``ValueError``. Rows are pure; differentiable to ``t`` (float64 channel terms summed by a fixed
+    pairwise tree, rounded once).
     """
     check_tensor("t", t, dtypes=(torch.float32,), ndim=1)
     _contiguous("t", t)
