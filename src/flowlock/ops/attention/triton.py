@@ -48,19 +48,28 @@ def _rows(base, start, offs, stride_s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kv_block(acc, l_i, m_i, q, k_base, v_base, start_n, seq, stride_ks, stride_vs, qk_scale,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASK_N: tl.constexpr, UPCAST: tl.constexpr):
+def _load_kv_block(k_base, v_base, start_n, seq, stride_ks, stride_vs, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, MASK_N: tl.constexpr):
+    """The K and V rows ``start_n .. start_n + BLOCK_N`` (zero past ``seq`` when ``MASK_N``) and the
+    validity of each row."""
     offs_n = tl.arange(0, BLOCK_N)
+    valid = (start_n + offs_n) < seq
     k_ptrs = _rows(k_base, start_n, offs_n, stride_ks, HEAD_DIM)
     v_ptrs = _rows(v_base, start_n, offs_n, stride_vs, HEAD_DIM)
-    valid = (start_n + offs_n) < seq
     if MASK_N:
         k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    return k, v, valid
+
+
+@triton.jit
+def _fwd_kv_block(acc, l_i, m_i, q, k_base, v_base, start_n, seq, stride_ks, stride_vs, qk_scale,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASK_N: tl.constexpr, UPCAST: tl.constexpr):
+    k, v, valid = _load_kv_block(k_base, v_base, start_n, seq, stride_ks, stride_vs, BLOCK_N, HEAD_DIM, MASK_N)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     if MASK_N:
         qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -200,16 +209,7 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
 def _dq_kv_block(dq, q, do, lse, delta, k_base, v_base, start_n, seq, stride_ks, stride_vs, qk_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  MASK_N: tl.constexpr, UPCAST: tl.constexpr):
-    offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs = _rows(k_base, start_n, offs_n, stride_ks, HEAD_DIM)
-    v_ptrs = _rows(v_base, start_n, offs_n, stride_vs, HEAD_DIM)
-    valid = (start_n + offs_n) < seq
-    if MASK_N:
-        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    k, v, valid = _load_kv_block(k_base, v_base, start_n, seq, stride_ks, stride_vs, BLOCK_N, HEAD_DIM, MASK_N)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK_N:
