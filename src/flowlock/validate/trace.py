@@ -10,8 +10,10 @@ at the sample's position (``sample_a`` / ``sample_b``); a tensor of equal shape 
 not batched (timestep embeddings, the AdaLN table, rotary angles) is compared whole. With two runs
 of the same batch size and the same sample position, every tensor is compared whole.
 
-Under ``flowlock.patch(model, mode="strict")`` the patched forward calls flowlock ops instead of the
-model's submodules, so only modules the strict forward still invokes (at least the root) record.
+Under ``flowlock.patch(model, mode="strict")`` the strict root still calls the blocks, refiner
+blocks, ``norm_out``, the refiner's ``final_norm``, ``time_embedder`` and the input / output linears
+through their ``__call__`` (so their hooks record), but inside a block the flowlock ops replace the
+submodules: a strict trace localizes a divergence to a block, not to an op within it.
 """
 
 from __future__ import annotations
