@@ -7,6 +7,7 @@ from flowlock.config import LaunchConfig, launch_config, register
 from flowlock.testing import (
     assert_batch_invariant,
     assert_bitwise_equal,
+    assert_raise_before_launch,
     assert_repeatable,
     assert_within_budget,
     batch_invariance_failures,
@@ -88,3 +89,20 @@ def test_launch_config_lookup_order_and_duplicates():
 def test_empty_allocations_are_poisoned():
     assert torch.isnan(torch.empty(4)).all()
     assert (torch.empty(3, dtype=torch.int32) == torch.iinfo(torch.int32).min).all()
+
+
+def test_raise_before_launch_catches_a_half_written_input():
+    x = torch.zeros(4)
+
+    def checks_first():
+        raise ValueError("x must be positive")
+
+    def writes_then_raises():
+        x[0] = 1.0
+        raise ValueError("x must be positive")
+
+    assert_raise_before_launch([(ValueError, "positive", checks_first)], [x])
+    with pytest.raises(AssertionError, match="input after a rejected call"):
+        assert_raise_before_launch([(ValueError, "positive", writes_then_raises)], [x])
+    with pytest.raises(pytest.fail.Exception):
+        assert_raise_before_launch([(ValueError, "positive", lambda: None)], [x])

@@ -159,6 +159,20 @@ def assert_within_budget(actual: torch.Tensor, golden: torch.Tensor, *, out_dtyp
     assert err <= budget, f"{what}: max |err| {err:.3e} exceeds budget {budget:.3e}"
 
 
+def assert_raise_before_launch(calls: Sequence[tuple[type[Exception], str, Callable[[], object]]],
+                               inputs: Sequence[torch.Tensor]) -> None:
+    """Each ``(error, pattern, call)`` raises ``error`` matching ``pattern``, and every tensor in
+    ``inputs`` keeps its bits: a rejected call must fail before any kernel touches memory."""
+    import pytest
+
+    before = [t.clone() for t in inputs]
+    for error, pattern, call in calls:
+        with pytest.raises(error, match=pattern):
+            call()
+    for t, b in zip(inputs, before):
+        assert_bitwise_equal(t, b, "input after a rejected call")
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` with NaN (floating) or the dtype's minimum (integer) so unwritten reads show."""
     if t.is_floating_point():

@@ -13,6 +13,7 @@ from flowlock.ops.gate_residual.reference import gate_residual_golden
 from flowlock.testing import (
     assert_batch_invariant,
     assert_bitwise_equal,
+    assert_raise_before_launch,
     assert_repeatable,
     assert_within_budget,
     batch_invariance_failures,
@@ -135,13 +136,8 @@ def _bad_calls():
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_bad_inputs_raise_before_launch_and_leave_inputs_unchanged(backend):
     calls, inputs = _bad_calls()
-    before = [t.clone() for t in inputs]
     with flowlock.use_backend(backend):
-        for error, name, call in calls:
-            with pytest.raises(error, match=name):
-                call()
-    for t, b in zip(inputs, before):
-        assert_bitwise_equal(t, b)
+        assert_raise_before_launch(calls, inputs)
 
 
 def test_unchecked_indices_skip_only_the_range_check():
