@@ -5,6 +5,7 @@ live in test_final_adaln_invariance.py)."""
 import pytest
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormOut
+from final_adaln_cases import final_adaln_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,15 +25,6 @@ from flowlock.testing import (
 EPS = 1e-6
 
 
-def _inputs(b, s, t, e, h, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(b, s, h, generator=g) * 3).to(torch.bfloat16)
-    temb = torch.randn(t, e, generator=g) * 2
-    norm_weight = (torch.rand(h, generator=g) + 0.5).to(torch.bfloat16)
-    weight = (torch.randn(2 * h, e, generator=g) * 0.2).to(torch.bfloat16)
-    bias = (torch.randn(2 * h, generator=g) * 0.2).to(torch.bfloat16)
-    ti = torch.randint(0, t, (s,), generator=g)
-    return x, temb, norm_weight, weight, bias, ti
 
 
 def _module(h, e):
@@ -64,7 +56,7 @@ def _triton(x, temb, nw, w, b, ti):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("b,s,t,e,h", [(1, 1, 1, 20, 24), (2, 7, 2, 36, 40), (1, 33, 3, 20, 24)])
 def test_bitwise_equals_diffusers_norm_out_given_the_same_table(backend, b, s, t, e, h):
-    x, temb, nw, w, bias, ti = _inputs(b, s, t, e, h, seed=s)
+    x, temb, nw, w, bias, ti = final_adaln_inputs(b, s, t, e, h, seed=s)
     with flowlock.use_backend(backend):
         y = final_adaln_out(x, temb, nw, w, bias, ti, EPS)
     module = _module(h, e)
@@ -77,7 +69,7 @@ def test_bitwise_equals_diffusers_norm_out_given_the_same_table(backend, b, s, t
 @settings(max_examples=6, deadline=None)
 @given(b=st.integers(1, 3), s=st.integers(1, 40), t=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_hypothesis_equals_diffusers_given_table(b, s, t, seed):
-    x, temb, nw, w, bias, ti = _inputs(b, s, t, 20, 24, seed=seed)
+    x, temb, nw, w, bias, ti = final_adaln_inputs(b, s, t, 20, 24, seed=seed)
     module = _module(24, 20)
     module.norm.weight.data.copy_(nw)
     module.linear = _FixedProjection(_table(temb, w, bias))
@@ -113,7 +105,7 @@ def _reference(x, temb, nw, w, b, ti):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("b,s,t,e,h", [(1, 1, 1, 20, 24), (2, 33, 2, 36, 40), (3, 33, 3, 20, 24)])
 def test_forward_and_gradients_within_budget_and_no_worse_than_diffusers(backend, b, s, t, e, h):
-    args = _inputs(b, s, t, e, h, seed=b + s)
+    args = final_adaln_inputs(b, s, t, e, h, seed=b + s)
     upstream = torch.randn(b, s, h, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     y, grads = _grads(_triton if backend == "triton" else _reference, args, upstream)
     y_eager, eager = _grads(_eager, args, upstream)
@@ -126,7 +118,7 @@ def test_forward_and_gradients_within_budget_and_no_worse_than_diffusers(backend
 
 
 def test_unbatched_x_equals_a_batch_of_one():
-    x, temb, nw, w, b, ti = _inputs(1, 7, 2, 20, 24, seed=9)
+    x, temb, nw, w, b, ti = final_adaln_inputs(1, 7, 2, 20, 24, seed=9)
     assert_bitwise_equal(_triton(x[0], temb, nw, w, b, ti), _triton(x, temb, nw, w, b, ti)[0])
 
 
@@ -139,7 +131,7 @@ def _two_node(x, temb, nw, w, b, ti):
 
 
 def test_one_node_table_gradient_stays_fp32():
-    args = _inputs(3, 33, 2, 20, 24, seed=8)
+    args = final_adaln_inputs(3, 33, 2, 20, 24, seed=8)
     upstream = torch.randn(3, 33, 24, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     _, grads = _grads(_triton, args, upstream)
     with flowlock.use_backend("triton"):
@@ -152,7 +144,7 @@ def test_one_node_table_gradient_stays_fp32():
 
 def test_compiled_equals_eager():
     """torch.compile sees the node as opaque custom ops: same output and gradients as eager."""
-    args = _inputs(2, 7, 2, 20, 24, seed=13)
+    args = final_adaln_inputs(2, 7, 2, 20, 24, seed=13)
     upstream = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
 
     def fn(x, temb, nw, w, b, ti):
@@ -165,7 +157,7 @@ def test_compiled_equals_eager():
 
 
 def _bad_cases():
-    x, temb, nw, w, b, ti = _inputs(2, 7, 2, 20, 24)
+    x, temb, nw, w, b, ti = final_adaln_inputs(2, 7, 2, 20, 24)
     meta = torch.device("meta")
     return [
         ("index == T", (x, temb, nw, w, b, torch.full((7,), 2)), ValueError),
@@ -204,6 +196,6 @@ def test_bad_inputs_raise_before_any_launch(case, monkeypatch):
 
 @pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf")])
 def test_bad_eps_raises(eps):
-    x, temb, nw, w, b, ti = _inputs(1, 7, 2, 20, 24)
+    x, temb, nw, w, b, ti = final_adaln_inputs(1, 7, 2, 20, 24)
     with pytest.raises(ValueError, match="eps"):
         final_adaln_out(x, temb, nw, w, b, ti, eps)
