@@ -42,3 +42,38 @@ def test_check_tensor_names_the_argument():
         check_tensor("x", torch.zeros(2, 3), shape=(None, 4))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         check_tensor("x", [1.0])
+
+
+def test_memoized_over_reuses_a_group_and_recomputes_when_any_member_changes():
+    from flowlock.ops._validate import memoized_over
+
+    a, b, c = torch.arange(3), torch.arange(3, 5), torch.arange(5, 9)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    assert memoized_over([a, b, c], "w", compute) == 1
+    assert memoized_over([a, b, c], "w", compute) == 1
+    c[0] = 7  # in place: the version counter moves
+    assert memoized_over([a, b, c], "w", compute) == 2
+    other = c.clone()  # an equal but different object
+    assert memoized_over([a, b, other], "w", compute) == 3
+    assert memoized_over([a, b, other], "w2", compute) == 4
+    a[0] = 1
+    assert memoized_over([a, b, other], "w", compute) == 5
+
+
+def test_memoized_over_caches_nothing_when_compute_raises():
+    from flowlock.ops._validate import memoized_over
+
+    a, b = torch.arange(3), torch.arange(3)
+
+    def bad():
+        raise ValueError("no")
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no"):
+            memoized_over([a, b], "x", bad)
+    assert memoized_over([a, b], "x", lambda: "ok") == "ok"

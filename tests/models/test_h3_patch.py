@@ -148,6 +148,15 @@ def test_bad_structure_raises_before_any_op(case):
         assert_bitwise_equal(value, before[key], key)
 
 
+def test_layout_checked_once_is_rechecked_after_an_in_place_change():
+    model, inputs = tiny_h3(), tiny_inputs(1)
+    with flowlock.patch(model), flowlock.mode("strict"), torch.no_grad():
+        model(**inputs)
+        inputs["audio_indices"][0] = inputs["text_indices"][0]
+        with pytest.raises(ValueError, match="disjoint"):
+            model(**inputs)
+
+
 class _ScaledLinear(nn.Linear):
     """A Linear subclass: not ``torch.nn.Linear`` exactly, so strict cannot vouch for it."""
 

@@ -82,9 +82,13 @@ def _first_outside(t: torch.Tensor, lo: float, hi: float) -> float | None:
 _MEMO: dict[int, tuple[weakref.ref, dict]] = {}
 
 
+def _stamp(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())
+
+
 def _memoized(t: torch.Tensor, what: object, compute: Callable[[], object]) -> object:
     """``compute()`` for ``t``, reused while ``t`` keeps its storage pointer and version counter."""
-    stamp = (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()))
+    stamp = _stamp(t)
     key = id(t)
     slot = _MEMO.get(key)
     if slot is None or slot[0]() is not t:
@@ -96,4 +100,23 @@ def _memoized(t: torch.Tensor, what: object, compute: Callable[[], object]) -> o
         return hit[1]
     value = compute()
     entries[what] = (stamp, value)
+    return value
+
+
+def memoized_over(tensors: Sequence[torch.Tensor], what: object, compute: Callable[[], object]) -> object:
+    """``compute()`` for a group of tensors (a layout's row indices), reused while every tensor of the
+    group is the same object with the same storage pointer and version counter.
+
+    The value lives in one slot per ``what`` on the first tensor (see :func:`_memoized`); the other
+    tensors are held by weak reference and compared by identity as well as by stamp, so a new tensor
+    that happens to reuse a freed one's storage is never mistaken for it. A different group
+    overwrites the slot, so it never grows. ``compute`` raising caches nothing.
+    """
+    first, rest = tensors[0], tuple(tensors[1:])
+    slot = _memoized(first, ("group", what), lambda: [None, None, None])
+    stamps = tuple(_stamp(t) for t in rest)
+    refs, seen, value = slot
+    if refs is None or len(refs) != len(rest) or any(r() is not t for r, t in zip(refs, rest)) or seen != stamps:
+        value = compute()
+        slot[:] = [tuple(weakref.ref(t) for t in rest), stamps, value]
     return value

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from flowlock.config import launch_config
 from flowlock.ops._triton_utils import arch_of, traced
+from flowlock.ops._validate import memoized_over
 
 
 @triton.jit
@@ -64,14 +65,23 @@ def gather_rows_fwd(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _owner_maps(indices: list[torch.Tensor], seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    # Which part owns each destination row (-1: none) and the row of that part; indices are disjoint,
-    # so these index_put copies never collide.
-    owner = torch.full((seq_len,), -1, dtype=torch.int32, device=device)
-    local = torch.zeros((seq_len,), dtype=torch.int32, device=device)
-    for p, index in enumerate(indices):
-        owner[index] = p
-        local[index] = torch.arange(index.shape[0], dtype=torch.int32, device=device)
-    return owner, local
+    """Which part owns each destination row (-1: none) and the row of that part, int32 ``(seq_len,)``.
+
+    Memoized per index set (a layout's indices are reused every step) and built without host
+    read-backs: ``index_fill_`` takes the part number as a kernel argument, where ``owner[index] = p``
+    would copy it from pageable host memory and stall the queue. Indices are disjoint, so no two
+    writes meet.
+    """
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        owner = torch.full((seq_len,), -1, dtype=torch.int32, device=device)
+        local = torch.zeros((seq_len,), dtype=torch.int32, device=device)
+        for p, index in enumerate(indices):
+            rows = index.to(torch.int64)
+            owner.index_fill_(0, rows, p)
+            local[rows] = torch.arange(index.shape[0], dtype=torch.int32, device=device)
+        return owner, local
+
+    return memoized_over(indices, ("owner_maps", seq_len), build)
 
 
 def scatter_rows_fwd(parts: list[torch.Tensor], indices: list[torch.Tensor], seq_len: int) -> torch.Tensor:
