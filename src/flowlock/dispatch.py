@@ -45,10 +45,17 @@ def backend_for(op: str, *tensors: torch.Tensor | None) -> str:
     Raises ``ValueError`` when the tensors live on different devices and ``RuntimeError`` when
     ``"triton"`` is forced on CPU tensors without the interpreter.
     """
-    devices = {t.device for t in tensors if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
+    device = None
+    for t in tensors:
+        if t is None:
+            continue
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            devices = sorted({str(x.device) for x in tensors if x is not None})
+            raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
+    if device is None:
+        raise ValueError(f"{op}: all tensors must be on one device, got []")
     forced = getattr(_local, "forced", None)
     if forced is not None:
         backend = forced

@@ -87,11 +87,17 @@ def mode(name: str):
         handle.restore()
 
 
+# One shared ``(op, backend)`` tuple per pair: appending a new tuple per call would grow the
+# garbage collector's tracked set with every op run and make each append cost microseconds.
+_PAIRS: dict[tuple[str, str], tuple[str, str]] = {}
+
+
 def record_run(op: str, backend: str) -> None:
     """Note that ``op`` ran on ``backend`` in the innermost frame (no-op outside any frame)."""
-    stack = _stack()
+    stack = getattr(_local, "stack", None)
     if stack:
-        stack[-1].ran.append((op, backend))
+        key = (op, backend)
+        stack[-1].ran.append(_PAIRS.setdefault(key, key))
 
 
 def fallback_or_raise(op: str, reason: str) -> None:
