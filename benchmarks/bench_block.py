@@ -130,16 +130,20 @@ def checks(model, inputs2: dict, cots2, mode: str, runs: int = 3) -> dict:
             "alone_vs_batched_elements": total}
 
 
+def _extra(parser) -> None:
+    parser.add_argument("--seqs", type=int, nargs="*", default=None, help=f"sequence lengths (default {FULL_SEQ})")
+
+
 def main(argv=None) -> int:
     from flowlock.models.minimax_h3.layout import layout_for_length
     from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, full_width_config, make_h3, tiny_inputs
 
-    args = harness.parse_args(__doc__.splitlines()[0], argv)
+    args = harness.parse_args(__doc__.splitlines()[0], argv, _extra)
     device = torch.device(args.device)
     gate = harness.gate_or_exit(args, list(GATE_TESTS))
     torch.backends.cuda.matmul.allow_tf32 = False
     config = dict(TINY_H3_CONFIG) if args.smoke else full_width_config(num_layers=2, num_refiner_layers=1)
-    seqs = SMOKE_SEQ if args.smoke else FULL_SEQ
+    seqs = SMOKE_SEQ if args.smoke else tuple(args.seqs or FULL_SEQ)
     model = make_h3(config, seed=0, dtype=torch.bfloat16, device=device, draw_on_device=not args.smoke)
     handle = flowlock.patch(model, mode="strict")
     rows = []

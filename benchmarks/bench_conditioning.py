@@ -293,8 +293,12 @@ def run_case(case: Case, args, device: torch.device, with_accuracy: bool) -> dic
     return row
 
 
+def _extra(parser) -> None:
+    parser.add_argument("--seqs", type=int, nargs="*", default=None, help=f"sequence lengths (default {FULL['seq']})")
+
+
 def main(argv=None) -> int:
-    args = harness.parse_args(__doc__.splitlines()[0], argv)
+    args = harness.parse_args(__doc__.splitlines()[0], argv, _extra)
     device = torch.device(args.device)
     tests = sorted(str(p.relative_to(harness.REPO)) for name in GATE_TESTS
                    for p in (harness.REPO / "tests" / "ops").glob(f"{name}*.py"))
@@ -302,7 +306,7 @@ def main(argv=None) -> int:
         print("no conditioning-op tests found for the gate; refusing to benchmark", file=sys.stderr)
         return 2
     gate = harness.gate_or_exit(args, tests)
-    dims = SMOKE if args.smoke else FULL
+    dims = SMOKE if args.smoke else dict(FULL, seq=tuple(args.seqs or FULL["seq"]))
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     for case in cases(dims, device):
