@@ -78,15 +78,15 @@ for _dt in ("fp32", "bf16", "fp16"):
     register("euler_step", _dt, "any", _cfg(4, BLOCK=256, note="interpreter-sized"))
     register("euler_step", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
 register("timestep_sinusoid", "fp32", "any", _cfg(4, note="one timestep row of 256 channels per program"))
-register("timestep_mlp", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, FOLD_N=16,
+register("timestep_mlp", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=16, BLOCK_K=32,
                                              note="interpreter-sized; K = 256 crosses eight slices"))
-register("timestep_mlp", "fp32", "sm90", _cfg(4, BLOCK_N=8, BLOCK_K=512, FOLD_N=256,
-                                              note="by design: an 8x512 W tile (16 KB) per program read once, "
-                                                   "336 x 11 = 3696 programs for the 2688x5376 layer"))
-register("timestep_mlp_t", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=16, FOLD_N=16, note="interpreter-sized"))
-register("timestep_mlp_t", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_K=64, FOLD_N=256,
-                                                note="by design: transposed W reads, 256 contiguous bytes per "
-                                                     "K row; 84 x 42 = 3528 programs for d act"))
+register("timestep_mlp", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=8, BLOCK_K=512,
+                                              note="by design: an 8x512 W tile (16 KB) per K step, each program "
+                                                   "walks all of K; 336 programs for the 2688x5376 layer"))
+register("timestep_mlp_t", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=16, BLOCK_K=16, note="interpreter-sized"))
+register("timestep_mlp_t", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=16, BLOCK_K=128,
+                                                note="by design: transposed W reads, 64 contiguous bytes per K "
+                                                     "row, each program walks all of K; 336 programs for d act"))
 register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
 register("timestep_mlp_wgrad", "fp32", "sm90",
          _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))
@@ -101,16 +101,16 @@ for _dt in ("fp32", "bf16", "fp16"):
     register("rows", _dt, "any", _cfg(4, BLOCK_H=1024, note="one 1024-channel slice of one row per program"))
 # attention: keyed by head dim D; "any" tiles are interpreter-sized so odd test shapes cross several blocks
 _ATTN_SM90 = ("best of two sweeps at B=1, 56 heads, D=128, S=16384 on an H200 (bench_attention.py --sweep, "
-              "benchmarks/results/attention_h200_run*.json); D=32/64 reuse the D=128 tiles untimed")
+              "benchmarks/results/attention_h200_run*.json); D=32/64 reuse the D=128 tiles untimed; "
+              "TMA=1 reads q/k/v/dO through descriptors (same bits as TMA=0, the pointer loads)")
 for _d in (32, 64, 128):
-    register("attention_fwd", "bf16", "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, note="interpreter-sized"), (_d,))
+    for _op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
+        register(_op, "bf16", "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, TMA=0, note="interpreter-sized"), (_d,))
     register("attention_bwd_delta", "bf16", "any", _cfg(4, BLOCK_M=16, note="interpreter-sized"), (_d,))
-    register("attention_bwd_dkdv", "bf16", "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, note="interpreter-sized"), (_d,))
-    register("attention_bwd_dq", "bf16", "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, note="interpreter-sized"), (_d,))
-    register("attention_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, note=_ATTN_SM90), (_d,))
+    register("attention_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_ATTN_SM90), (_d,))
     register("attention_bwd_delta", "bf16", "sm90", _cfg(4, BLOCK_M=64, note="memory-bound row sums"), (_d,))
-    register("attention_bwd_dkdv", "bf16", "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, note=_ATTN_SM90), (_d,))
-    register("attention_bwd_dq", "bf16", "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, note=_ATTN_SM90), (_d,))
+    register("attention_bwd_dkdv", "bf16", "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, note=_ATTN_SM90), (_d,))
+    register("attention_bwd_dq", "bf16", "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_ATTN_SM90), (_d,))
 
 # linear: BLOCK_R (reduced-dim block) is one value per (dtype, arch) for every weight shape, so fused qkv == q, k, v.
 _LINEAR_ANY = "interpreter-sized (ragged tails at test shapes); non-Hopper GPUs run the pointer kernel with these"

@@ -8,9 +8,11 @@ import numbers
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.attention.reference import attention_reference, default_scale
-from flowlock.ops.attention.triton import AttentionFunction
+from flowlock.ops.attention.triton import AttentionFunction, attention_fwd, attention_fwd_op
 
 HEAD_DIMS = (32, 64, 128)
 DTYPES = (torch.bfloat16,)
@@ -49,12 +51,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     below runs before any launch.
     """
     check_tensor("q", q, dtypes=DTYPES, ndim=4)
-    device = q.device
-    check_tensor("k", k, dtypes=DTYPES, shape=tuple(q.shape), device=device)
-    check_tensor("v", v, dtypes=DTYPES, shape=tuple(q.shape), device=device)
-    batch, seq, heads, dim = q.shape
+    shape, device = q.shape, q.device
+    for name, t in (("k", k), ("v", v)):
+        # one comparison chain in the common case; check_tensor names the failing property otherwise
+        if not (isinstance(t, torch.Tensor) and t.dtype == q.dtype and t.shape == shape and t.device == device):
+            check_tensor(name, t, dtypes=DTYPES, shape=tuple(shape), device=device)
+    batch, seq, heads, dim = shape
     if batch < 1 or seq < 1 or heads < 1:
-        raise ValueError(f"q must have B, S, heads >= 1, got shape {tuple(q.shape)}")
+        raise ValueError(f"q must have B, S, heads >= 1, got shape {tuple(shape)}")
     if dim not in HEAD_DIMS:
         raise ValueError(f"q head dim must be one of {HEAD_DIMS}, got {dim}")
     if batch * heads > MAX_BATCH_HEADS:
@@ -63,6 +67,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
     scale = _check_scale(scale, dim)
-    if backend_for("attention", q, k, v) == "triton":
+    # k and v are on q's device (checked above), so q alone decides the backend
+    if backend_for("attention", q) == "reference":
+        return attention_reference(q, k, v, scale)
+    if needs_graph(q, k, v):
         return AttentionFunction.apply(q, k, v, scale)
-    return attention_reference(q, k, v, scale)
+    # no gradient can flow: the forward launcher without an autograd node (same kernel, same bits)
+    return (attention_fwd_op if traced() else attention_fwd)(q, k, v, scale)[0]

@@ -15,16 +15,29 @@ rounding of ``O``. Backward: ``P`` recomputed in fp32 from ``lse2``; ``delta = r
 in fp32 from the stored input-dtype ``O``; ``P`` and ``dS = P * (dP - delta)`` rounded to the
 input dtype before their matmuls; ``dq``, ``dk``, ``dv`` accumulate in fp32, are scaled once and
 rounded once.
+
+Two variants of the forward, dK/dV and dQ kernels share one source and one arithmetic; the launch
+config's ``TMA`` key names the variant. ``TMA=0`` reads every row block with a masked ``tl.load``
+(any GPU, the interpreter). ``TMA=1`` (Hopper) reads the q, k, v and dO row blocks through
+host-side tensor descriptors over the ``(B, S, heads * D)`` view with ``[1, BLOCK, D]`` boxes; the
+hardware zero-fills the rows past the sample's end, exactly as the pointer variant's ``other=0``
+does, so both variants compute the same values in the same order and agree bit for bit. Row
+statistics and every output are written through pointers in both. A launch whose operands a
+descriptor cannot describe (:func:`tma_eligible`, checked before the launch) runs the pointer
+variant: a fixed layout rule, never a retry after a failure, and the same bits either way.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, launch_config
-from flowlock.dispatch import interpreter_active
 from flowlock.ops._triton_utils import arch_of, traced
 from flowlock.ops.attention.reference import LOG2E
 
@@ -48,31 +61,43 @@ def _rows(base, start, offs, stride_s, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_block(k_base, v_base, start_n, seq, stride_ks, stride_vs, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, MASK_N: tl.constexpr):
-    """The K and V rows ``start_n .. start_n + BLOCK_N`` (zero past ``seq`` when ``MASK_N``) and the
-    validity of each row."""
-    offs_n = tl.arange(0, BLOCK_N)
-    valid = (start_n + offs_n) < seq
-    k_ptrs = _rows(k_base, start_n, offs_n, stride_ks, HEAD_DIM)
-    v_ptrs = _rows(v_base, start_n, offs_n, stride_vs, HEAD_DIM)
-    if MASK_N:
-        k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
+def _head(src, b, h, stride_b, stride_h, TMA: tl.constexpr):
+    """Operand ``src`` at sample ``b``, head ``h``: a descriptor as it is (boxes are addressed by
+    coordinates), a pointer moved to that sample and head."""
+    if TMA:
+        base = src
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    return k, v, valid
+        base = src + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    return base
 
 
 @triton.jit
-def _fwd_kv_block(acc, l_i, m_i, q, k_base, v_base, start_n, seq, stride_ks, stride_vs, qk_scale,
+def _load_rows(src, b, col, start, seq, stride_s, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               MASK: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``start .. start + BLOCK`` of one (sample, head), zero past ``seq``: the box at
+    ``[b, start, col]`` of a descriptor (zero-filled past the sample's end) or a pointer load from
+    a :func:`_head` base, masked when ``MASK`` (unmasked blocks lie inside the sequence)."""
+    if TMA:
+        rows = src.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
+    else:
+        offs = tl.arange(0, BLOCK)
+        ptrs = _rows(src, start, offs, stride_s, HEAD_DIM)
+        if MASK:
+            rows = tl.load(ptrs, mask=((start + offs) < seq)[:, None], other=0.0)
+        else:
+            rows = tl.load(ptrs)
+    return rows
+
+
+@triton.jit
+def _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs, qk_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASK_N: tl.constexpr, UPCAST: tl.constexpr):
-    k, v, valid = _load_kv_block(k_base, v_base, start_n, seq, stride_ks, stride_vs, BLOCK_N, HEAD_DIM, MASK_N)
+                  MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+    k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, HEAD_DIM, MASK_N, TMA)
+    v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, HEAD_DIM, MASK_N, TMA)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     if MASK_N:
-        qk = tl.where(valid[None, :], qk, float("-inf"))
+        qk = tl.where(((start_n + tl.arange(0, BLOCK_N)) < seq)[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -86,31 +111,33 @@ def _attention_fwd_kernel(Q, K, V, Out, Lse2, seq, heads, qk_scale,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          UPCAST: tl.constexpr):
-    """One program per (query block, sample * heads): online softmax over ascending KV blocks."""
+                          UPCAST: tl.constexpr, TMA: tl.constexpr):
+    """One program per (query block, sample * heads): online softmax over ascending KV blocks.
+    ``Q``, ``K``, ``V`` are descriptors when ``TMA``, pointers otherwise."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // heads).to(tl.int64)
-    h = (pid_bh % heads).to(tl.int64)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    col = h * HEAD_DIM
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = (start_m + offs_m) < seq
-    q = tl.load(_rows(Q + b * stride_qb + h * stride_qh, start_m, offs_m, stride_qs, HEAD_DIM),
-                mask=row_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    q = _load_rows(_head(Q, b, h, stride_qb, stride_qh, TMA), b, col, start_m, seq, stride_qs,
+                   BLOCK_M, HEAD_DIM, True, TMA)
+    k_src = _head(K, b, h, stride_kb, stride_kh, TMA)
+    v_src = _head(V, b, h, stride_vb, stride_vh, TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_full = (seq // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i = _fwd_kv_block(acc, l_i, m_i, q, k_base, v_base, start_n, seq, stride_ks,
-                                      stride_vs, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST)
+        acc, l_i, m_i = _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs,
+                                      qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA)
     if n_full < seq:
-        acc, l_i, m_i = _fwd_kv_block(acc, l_i, m_i, q, k_base, v_base, n_full, seq, stride_ks,
-                                      stride_vs, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST)
+        acc, l_i, m_i = _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, n_full, seq, stride_ks, stride_vs,
+                                      qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA)
     out = acc / l_i[:, None]
-    o_ptrs = _rows(Out + b * stride_ob + h * stride_oh, start_m, offs_m, stride_os, HEAD_DIM)
+    o_ptrs = _rows(_head(Out, b, h, stride_ob, stride_oh, False), start_m, offs_m, stride_os, HEAD_DIM)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     lse_ptrs = Lse2 + pid_bh.to(tl.int64) * seq + start_m + offs_m
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
@@ -137,23 +164,19 @@ def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
 
 
 @triton.jit
-def _dkdv_q_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, seq,
+def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
                   stride_qs, stride_ds, qk_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASK_M: tl.constexpr, UPCAST: tl.constexpr):
+                  MASK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
-    q_ptrs = _rows(q_base, start_m, offs_m, stride_qs, HEAD_DIM)
-    do_ptrs = _rows(do_base, start_m, offs_m, stride_ds, HEAD_DIM)
-    valid = (start_m + offs_m) < seq
+    q = _load_rows(q_src, b, col, start_m, seq, stride_qs, BLOCK_M, HEAD_DIM, MASK_M, TMA)
+    do = _load_rows(do_src, b, col, start_m, seq, stride_ds, BLOCK_M, HEAD_DIM, MASK_M, TMA)
     if MASK_M:
-        q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
-        do = tl.load(do_ptrs, mask=valid[:, None], other=0.0)
+        valid = (start_m + offs_m) < seq
         # +inf makes P exactly 0 on rows past the sequence end
         lse = tl.load(lse_base + start_m + offs_m, mask=valid, other=float("inf"))
         delta = tl.load(delta_base + start_m + offs_m, mask=valid, other=0.0)
     else:
-        q = tl.load(q_ptrs)
-        do = tl.load(do_ptrs)
         lse = tl.load(lse_base + start_m + offs_m)
         delta = tl.load(delta_base + start_m + offs_m)
     qk_t = _mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
@@ -171,34 +194,36 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
                                stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                                stride_gb, stride_gs, stride_gh,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               UPCAST: tl.constexpr):
+                               UPCAST: tl.constexpr, TMA: tl.constexpr):
     """One program per (KV block, sample * heads) owns its dK, dV rows; query blocks ascend.
-    ``dK`` and ``dV`` share the strides ``stride_g*``."""
+    ``dK`` and ``dV`` share the strides ``stride_g*``; ``Q``, ``K``, ``V``, ``dOut`` are
+    descriptors when ``TMA``."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // heads).to(tl.int64)
-    h = (pid_bh % heads).to(tl.int64)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    col = h * HEAD_DIM
     start_n = pid_n * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = (start_n + offs_n) < seq
-    k = tl.load(_rows(K + b * stride_kb + h * stride_kh, start_n, offs_n, stride_ks, HEAD_DIM),
-                mask=row_ok[:, None], other=0.0)
-    v = tl.load(_rows(V + b * stride_vb + h * stride_vh, start_n, offs_n, stride_vs, HEAD_DIM),
-                mask=row_ok[:, None], other=0.0)
-    q_base = Q + b * stride_qb + h * stride_qh
-    do_base = dOut + b * stride_db + h * stride_dh
+    k = _load_rows(_head(K, b, h, stride_kb, stride_kh, TMA), b, col, start_n, seq, stride_ks,
+                   BLOCK_N, HEAD_DIM, True, TMA)
+    v = _load_rows(_head(V, b, h, stride_vb, stride_vh, TMA), b, col, start_n, seq, stride_vs,
+                   BLOCK_N, HEAD_DIM, True, TMA)
+    q_src = _head(Q, b, h, stride_qb, stride_qh, TMA)
+    do_src = _head(dOut, b, h, stride_db, stride_dh, TMA)
     lse_base = Lse2 + pid_bh.to(tl.int64) * seq
     delta_base = Delta + pid_bh.to(tl.int64) * seq
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     m_full = (seq // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
-        dk, dv = _dkdv_q_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST)
+        dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA)
     if m_full < seq:
-        dk, dv = _dkdv_q_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m_full, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST)
-    g_off = b * stride_gb + h * stride_gh
+        dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, m_full, seq,
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA)
+    g_off = b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
     tl.store(_rows(dK + g_off, start_n, offs_n, stride_gs, HEAD_DIM),
              (dk * sm_scale).to(dK.dtype.element_ty), mask=row_ok[:, None])
     tl.store(_rows(dV + g_off, start_n, offs_n, stride_gs, HEAD_DIM),
@@ -206,14 +231,15 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
 
 
 @triton.jit
-def _dq_kv_block(dq, q, do, lse, delta, k_base, v_base, start_n, seq, stride_ks, stride_vs, qk_scale,
+def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs, qk_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MASK_N: tl.constexpr, UPCAST: tl.constexpr):
-    k, v, valid = _load_kv_block(k_base, v_base, start_n, seq, stride_ks, stride_vs, BLOCK_N, HEAD_DIM, MASK_N)
+                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+    k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, HEAD_DIM, MASK_N, TMA)
+    v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, HEAD_DIM, MASK_N, TMA)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK_N:
-        p = tl.where(valid[None, :], p, 0.0)
+        p = tl.where(((start_n + tl.arange(0, BLOCK_N)) < seq)[None, :], p, 0.0)
     dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     ds = p * (dp - delta[:, None])
     return _mma(ds.to(k.dtype), k, dq, UPCAST)
@@ -225,59 +251,112 @@ def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scal
                              stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                              stride_gb, stride_gs, stride_gh,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             UPCAST: tl.constexpr):
+                             UPCAST: tl.constexpr, TMA: tl.constexpr):
     """One program per (query block, sample * heads) owns its dQ rows; KV blocks ascend
-    (``P`` and ``dP`` are recomputed rather than accumulated across programs)."""
+    (``P`` and ``dP`` are recomputed rather than accumulated across programs). ``Q``, ``K``,
+    ``V``, ``dOut`` are descriptors when ``TMA``."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // heads).to(tl.int64)
-    h = (pid_bh % heads).to(tl.int64)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    col = h * HEAD_DIM
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = (start_m + offs_m) < seq
-    q = tl.load(_rows(Q + b * stride_qb + h * stride_qh, start_m, offs_m, stride_qs, HEAD_DIM),
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(_rows(dOut + b * stride_db + h * stride_dh, start_m, offs_m, stride_ds, HEAD_DIM),
-                 mask=row_ok[:, None], other=0.0)
+    q = _load_rows(_head(Q, b, h, stride_qb, stride_qh, TMA), b, col, start_m, seq, stride_qs,
+                   BLOCK_M, HEAD_DIM, True, TMA)
+    do = _load_rows(_head(dOut, b, h, stride_db, stride_dh, TMA), b, col, start_m, seq, stride_ds,
+                    BLOCK_M, HEAD_DIM, True, TMA)
     lse = tl.load(Lse2 + pid_bh.to(tl.int64) * seq + start_m + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(Delta + pid_bh.to(tl.int64) * seq + start_m + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    k_src = _head(K, b, h, stride_kb, stride_kh, TMA)
+    v_src = _head(V, b, h, stride_vb, stride_vh, TMA)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_full = (seq // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
-        dq = _dq_kv_block(dq, q, do, lse, delta, k_base, v_base, start_n, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST)
+        dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs,
+                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA)
     if n_full < seq:
-        dq = _dq_kv_block(dq, q, do, lse, delta, k_base, v_base, n_full, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST)
-    tl.store(_rows(dQ + b * stride_gb + h * stride_gh, start_m, offs_m, stride_gs, HEAD_DIM),
+        dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, n_full, seq, stride_ks, stride_vs,
+                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA)
+    tl.store(_rows(_head(dQ, b, h, stride_gb, stride_gh, False), start_m, offs_m, stride_gs, HEAD_DIM),
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+class _Tiles(NamedTuple):
+    """One kernel's launch parameters, read once from its :class:`LaunchConfig`."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool
+
+
+def _tiles(cfg: LaunchConfig) -> _Tiles:
+    """A config without ``BLOCK_N`` (the delta kernel) or ``TMA`` (pointer-only configs) reads
+    them as 0."""
+    blocks = dict(cfg.blocks)
+    return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
+                  bool(blocks.get("TMA", 0)))
+
+
+class _Frozen(NamedTuple):
+    fwd: _Tiles
+    delta: _Tiles
+    dkdv: _Tiles
+    dq: _Tiles
+
+
+@functools.cache
+def _frozen(dtype: torch.dtype, arch: str, dim: int) -> _Frozen:
+    """The frozen configs of the four kernels, looked up once per (dtype, arch, head dim)."""
+    return _Frozen(*(_tiles(launch_config(op, dtype, arch, (dim,))) for op in
+                     ("attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq")))
+
+
+def tma_eligible(t: torch.Tensor) -> bool:
+    """Whether a ``(B, S, heads, D)`` operand can be read through a descriptor over its
+    ``(B, S, heads * D)`` view: heads side by side (head stride ``D``, unit last stride), a 16-byte
+    aligned base and 16-byte multiples as sample and row strides. Contiguous tensors and views of a
+    fused qkv projection (row stride ``3 * heads * D``) qualify; expanded or head-major (BHSD
+    transposed) layouts do not, and their launches run the pointer variant (same bits)."""
+    stride_b, stride_s, stride_h, stride_d = t.stride()
+    size = t.element_size()
+    return (stride_d == 1 and stride_h == t.shape[3] and t.data_ptr() % 16 == 0
+            and (stride_b * size) % 16 == 0 and (stride_s * size) % 16 == 0)
+
+
+def _operand(t: torch.Tensor, block: int, tma: bool):
+    """``t`` as a kernel argument: a descriptor with ``[1, block, D]`` boxes over its
+    ``(B, S, heads * D)`` view when ``tma``, else the tensor itself (a pointer)."""
+    if not tma:
+        return t
+    batch, seq, heads, dim = t.shape
+    return TensorDescriptor(t, [batch, seq, heads * dim], [t.stride(0), t.stride(1), 1], [1, block, dim])
+
+
+def _sbh(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, sequence, head) strides of a (B, S, heads, D) tensor with a contiguous last dim."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _config(op: str, t: torch.Tensor) -> LaunchConfig:
-    return launch_config(op, t.dtype, arch_of(t), (t.shape[-1],))
+    return t.stride()[:3]
 
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on validated inputs: returns ``out`` (B, S, heads, D) in ``q.dtype`` and
-    ``lse2`` (B, heads, S) fp32. ``config`` replaces the frozen one (benchmark sweeps, tests)."""
+    ``lse2`` (B, heads, S) fp32. ``config`` replaces the frozen one (benchmark sweeps, tests); the
+    TMA variant runs when the config says ``TMA=1`` and q, k, v are all :func:`tma_eligible`."""
     batch, seq, heads, dim = q.shape
-    cfg = config or _config("attention_fwd", q)
+    arch = arch_of(q)
+    t = _frozen(q.dtype, arch, dim).fwd if config is None else _tiles(config)
+    tma = t.tma and tma_eligible(q) and tma_eligible(k) and tma_eligible(v)
     out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(seq, cfg["BLOCK_M"]), batch * heads)
-    _attention_fwd_kernel[grid](
-        q, k, v, out, lse2, seq, heads, scale * LOG2E,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=dim, UPCAST=interpreter_active(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    _attention_fwd_kernel[(triton.cdiv(seq, t.block_m), batch * heads)](
+        _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma), out, lse2,
+        seq, heads, scale * LOG2E, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(out),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=arch == "interp", TMA=tma,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out, lse2
 
@@ -286,43 +365,46 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   lse2: torch.Tensor, scale: float, dkdv_config: LaunchConfig | None = None,
                   dq_config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward (delta, then dK/dV, then dQ): returns ``dq, dk, dv`` shaped and typed
-    like ``q`` (contiguous). ``dout`` may be strided but needs a contiguous last dim."""
+    like ``q`` (contiguous). ``dout`` may be strided but needs a contiguous last dim. A kernel
+    runs its TMA variant when its config says ``TMA=1`` and q, k, v, dout are all
+    :func:`tma_eligible`."""
     batch, seq, heads, dim = q.shape
-    upcast = interpreter_active()
-    delta_cfg = _config("attention_bwd_delta", q)
-    dkdv_cfg = dkdv_config or _config("attention_bwd_dkdv", q)
-    dq_cfg = dq_config or _config("attention_bwd_dq", q)
+    arch = arch_of(q)
+    upcast = arch == "interp"
+    frozen = _frozen(q.dtype, arch, dim)
+    dkdv_t = frozen.dkdv if dkdv_config is None else _tiles(dkdv_config)
+    dq_t = frozen.dq if dq_config is None else _tiles(dq_config)
+    eligible = (dkdv_t.tma or dq_t.tma) and all(tma_eligible(t) for t in (q, k, v, dout))
     delta = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
-    _attention_bwd_delta_kernel[(triton.cdiv(seq, delta_cfg["BLOCK_M"]), batch * heads)](
-        out, dout, delta, seq, heads, *_strides(out), *_strides(dout),
-        BLOCK_M=delta_cfg["BLOCK_M"], HEAD_DIM=dim,
-        num_warps=delta_cfg.num_warps, num_stages=delta_cfg.num_stages,
+    _attention_bwd_delta_kernel[(triton.cdiv(seq, frozen.delta.block_m), batch * heads)](
+        out, dout, delta, seq, heads, *_sbh(out), *_sbh(dout),
+        BLOCK_M=frozen.delta.block_m, HEAD_DIM=dim,
+        num_warps=frozen.delta.num_warps, num_stages=frozen.delta.num_stages,
     )
     dq = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
-    common = (seq, heads, scale * LOG2E, scale, *_strides(q), *_strides(k), *_strides(v), *_strides(dout))
-    _attention_bwd_dkdv_kernel[(triton.cdiv(seq, dkdv_cfg["BLOCK_N"]), batch * heads)](
-        q, k, v, dout, lse2, delta, dk, dv, *common, *_strides(dk),
-        BLOCK_M=dkdv_cfg["BLOCK_M"], BLOCK_N=dkdv_cfg["BLOCK_N"], HEAD_DIM=dim, UPCAST=upcast,
-        num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
-    )
-    _attention_bwd_dq_kernel[(triton.cdiv(seq, dq_cfg["BLOCK_M"]), batch * heads)](
-        q, k, v, dout, lse2, delta, dq, *common, *_strides(dq),
-        BLOCK_M=dq_cfg["BLOCK_M"], BLOCK_N=dq_cfg["BLOCK_N"], HEAD_DIM=dim, UPCAST=upcast,
-        num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages,
-    )
+    common = (seq, heads, scale * LOG2E, scale, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(dout))
+    for t, grid_rows, outputs, kernel in ((dkdv_t, dkdv_t.block_n, (dk, dv), _attention_bwd_dkdv_kernel),
+                                          (dq_t, dq_t.block_m, (dq,), _attention_bwd_dq_kernel)):
+        tma = t.tma and eligible
+        kernel[(triton.cdiv(seq, grid_rows), batch * heads)](
+            _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
+            _operand(dout, t.block_m, tma), lse2, delta, *outputs, *common, *_sbh(dq),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
     return dq, dk, dv
 
 
 @torch.library.custom_op("flowlock::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
     return attention_fwd(q, k, v, scale)
 
 
-@_attention_fwd_op.register_fake
+@attention_fwd_op.register_fake
 def _(q, k, v, scale):
     batch, seq, heads, dim = q.shape
     return q.new_empty((batch, seq, heads, dim)), q.new_empty((batch, heads, seq), dtype=torch.float32)
@@ -346,7 +428,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
-        out, lse2 = (_attention_fwd_op if traced() else attention_fwd)(q, k, v, scale)
+        out, lse2 = (attention_fwd_op if traced() else attention_fwd)(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.scale = scale
         return out

@@ -1,0 +1,136 @@
+"""attention variants and host path: the TMA-descriptor kernels give the pointer kernels' bits
+(forward and backward, ragged tails, fused-qkv views, several samples), the layout rule that picks
+the pointer variant, and the no-graph fast path that skips the autograd node."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flowlock
+from flowlock.config import LaunchConfig
+from flowlock.ops.attention import api as attention_api
+from flowlock.ops.attention import attention
+from flowlock.ops.attention import triton as attention_triton
+from flowlock.ops.attention.triton import attention_bwd, attention_fwd, tma_eligible
+from flowlock.testing import assert_bitwise_equal, bitwise_equal
+
+SCALE = 0.3
+
+
+def _cfg(block_m, block_n, tma):
+    return LaunchConfig((("BLOCK_M", block_m), ("BLOCK_N", block_n), ("TMA", int(tma))), num_warps=4)
+
+
+def _fused(b, s, h, d, seed):
+    """q, k, v as column views of one fused (B, S, 3 * heads * D) projection, and a dO."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, s, 3 * h * d, generator=g).bfloat16()
+    do = torch.randn(b, s, h, d, generator=g).bfloat16()
+    q, k, v = (t.unflatten(-1, (h, d)) for t in qkv.chunk(3, dim=-1))
+    return q, k, v, do
+
+
+def _run(q, k, v, do, fwd_cfg, dkdv_cfg, dq_cfg):
+    """out, lse2, dq, dk, dv through the launchers with explicit configs."""
+    out, lse2 = attention_fwd(q, k, v, SCALE, fwd_cfg)
+    return (out, lse2, *attention_bwd(do, q, k, v, out, lse2, SCALE, dkdv_cfg, dq_cfg))
+
+
+def _variant_mismatches(inputs, a, b):
+    """Names of the outputs whose bits differ between config triples ``a`` and ``b``."""
+    names = ("out", "lse2", "dq", "dk", "dv")
+    return [n for n, x, y in zip(names, _run(*inputs, *a), _run(*inputs, *b)) if not bitwise_equal(x, y)]
+
+
+TMA = (_cfg(16, 32, 1), _cfg(16, 16, 1), _cfg(32, 16, 1))
+POINTER = (_cfg(16, 32, 0), _cfg(16, 16, 0), _cfg(32, 16, 0))
+
+
+@pytest.mark.parametrize("b,s,h,d", [(2, 1, 2, 32), (1, 7, 3, 64), (2, 33, 2, 32)])
+def test_tma_variant_equals_pointer_variant(b, s, h, d, monkeypatch):
+    inputs = _fused(b, s, h, d, seed=s)
+    assert all(tma_eligible(t) for t in inputs)
+    boxes = []
+
+    class Spy(attention_triton.TensorDescriptor):
+        def __post_init__(self):
+            boxes.append(tuple(self.block_shape))
+            super().__post_init__()
+
+    monkeypatch.setattr(attention_triton, "TensorDescriptor", Spy)
+    assert _variant_mismatches(inputs, TMA, POINTER) == []
+    # forward q, k, v; dK/dV and dQ each q, k, v, dO; none for the pointer configs
+    assert sorted(boxes) == sorted([(1, 16, d), (1, 32, d), (1, 32, d)] + [(1, 16, d)] * 4
+                                   + [(1, 32, d), (1, 16, d), (1, 16, d), (1, 32, d)])
+
+
+def test_variant_comparison_catches_planted_fold_order():
+    """A 'variant' whose forward folds the keys in 16-row blocks instead of 32 changes the bits."""
+    inputs = _fused(1, 33, 1, 32, seed=2)
+    planted = (_cfg(16, 16, 1), *TMA[1:])
+    assert _variant_mismatches(inputs, POINTER, planted), "comparison missed a plant"
+
+
+@settings(max_examples=4, deadline=None)
+@given(b=st.integers(1, 3), s=st.integers(1, 40), h=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_hypothesis_tma_variant_equals_pointer_variant(b, s, h, seed):
+    assert _variant_mismatches(_fused(b, s, h, 32, seed), TMA, POINTER) == []
+
+
+def test_tma_variant_sample_alone_equals_sample_in_batch():
+    inputs = _fused(3, 20, 2, 32, seed=3)
+    batch = _run(*inputs, *TMA)
+    for i in range(3):
+        alone = _run(*(t[i:i + 1] for t in inputs), *TMA)
+        assert_bitwise_equal(tuple(t[i:i + 1] for t in batch), alone, f"sample {i} of 3")
+
+
+def _layouts():
+    """(name, tensor, eligible) for the layout rule."""
+    q, _, _, do = _fused(2, 9, 2, 32, seed=4)
+    base = torch.randn(2 * 9 * 2 * 32 + 1).bfloat16()
+    return [
+        ("contiguous", do, True),
+        ("fused-qkv view", q, True),
+        ("head-major (BHSD transposed)", do.transpose(1, 2).contiguous().transpose(1, 2), False),
+        ("expanded heads", do[:, :, :1].expand(-1, -1, 2, -1), False),
+        ("base not 16-byte aligned", base[1:].view(2, 9, 2, 32), False),
+        ("row stride not a 16-byte multiple", torch.randn(2, 9, 2 * 32 + 1).bfloat16()[..., :64].unflatten(-1, (2, 32)),
+         False),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_layouts())))
+def test_layout_rule(case):
+    name, t, eligible = _layouts()[case]
+    assert tma_eligible(t) == eligible, name
+
+
+@pytest.mark.parametrize("case", [i for i, (_, _, ok) in enumerate(_layouts()) if not ok])
+def test_ineligible_layouts_run_the_pointer_variant_with_the_same_bits(case):
+    _, t, _ = _layouts()[case]
+    _, k, v, do = _fused(2, 9, 2, 32, seed=5)
+    q = t
+    contiguous = _run(q.contiguous(), k, v, do, *POINTER)
+    assert_bitwise_equal(_run(q, k, v, do, *TMA), contiguous, "TMA config on an ineligible q")
+    assert_bitwise_equal(_run(do, k, v, q, *TMA), _run(do, k, v, q.contiguous(), *POINTER),
+                         "TMA config on an ineligible dO")
+
+
+def test_no_graph_call_launches_directly_with_the_same_bits(monkeypatch):
+    q, k, v, _ = _fused(2, 17, 2, 32, seed=6)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with flowlock.use_backend("triton"):
+        graphed = attention(*leaves)
+        assert graphed.grad_fn is not None
+
+        def no_function(*args):
+            raise AssertionError("Function.apply on a call that records no graph")
+
+        monkeypatch.setattr(attention_api.AttentionFunction, "apply", no_function)
+        plain = attention(q, k, v)
+        with torch.no_grad():
+            no_grad = attention(*leaves)
+    assert plain.grad_fn is None and no_grad.grad_fn is None
+    assert_bitwise_equal((plain, no_grad), (graphed.detach(), graphed.detach()), "no-graph path")
