@@ -4,13 +4,17 @@ Runs, in one process: accuracy of forward and gradients against the FP64 golden 
 (budget from SDPA's own error), bitwise repeatability of flowlock's backward, batch invariance and
 row purity, repeatability of cuDNN's backward, then timings at B=1, heads=56, D=128: flowlock vs
 SDPA cuDNN / flash / efficient, forward and backward, alternating order, CUDA events, median after
-warm-up. TFLOP/s use 4*S^2*D*heads for the forward and 2.5x that for the backward. ``--sweep``
-also times candidate launch configs at one sequence length.
+warm-up. TFLOP/s use 4*S^2*D*heads for the forward and 2.5x that for the backward. ``host``
+measures the host time of one public call and the amortized forward. ``--sweep S[,S]`` also times
+candidate launch configs (tiles, warps, stages, TMA or pointer loads) at those sequence lengths,
+compiling them first in worker processes and writing each result as it lands; ``--sections``
+picks the sections to run.
 
 By default the CPU test gate (``tests/ops/test_attention.py`` under the interpreter) runs first
 and a red gate refuses the benchmark; ``--skip-gate`` skips it.
 
     PYTHONPATH=src python benchmarks/bench_attention.py --out results/attn.json
+    python benchmarks/bench_attention.py --skip-gate --sections host --sweep-seq 16384 --out sweep.json
 """
 
 from __future__ import annotations
@@ -177,59 +181,161 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
     return rows
 
 
-def sweep(seq, heads, dim, iters) -> list[dict]:
-    """Time candidate launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel; the
-    backward varies one kernel while the other keeps its frozen config."""
-    from flowlock.config import LaunchConfig
-    from flowlock.ops.attention.triton import attention_bwd, attention_fwd
+# Sweep candidates (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), most informative first: the frozen tiles
+# with and without TMA, then other tiles. The last of each kernel exceed the 227 KB of shared memory an sm90
+# program may use (measured by compiling offline for sm90): kept to show the error, timed last.
+SWEEP_CANDIDATES = {
+    "fwd": [(128, 128, 8, 3, 1), (128, 128, 8, 3, 0), (128, 64, 8, 3, 1), (128, 64, 4, 3, 1), (128, 128, 8, 4, 1)],
+    "dkdv": [(64, 128, 8, 3, 1), (64, 128, 8, 3, 0), (64, 64, 4, 3, 1), (128, 128, 8, 3, 1)],
+    "dq": [(128, 64, 8, 4, 1), (128, 64, 8, 4, 0), (128, 64, 8, 3, 1), (128, 128, 8, 3, 1)],
+}
 
-    def cfg(bm, bn, w, s):
-        return LaunchConfig((("BLOCK_M", bm), ("BLOCK_N", bn)), num_warps=w, num_stages=s)
 
-    q, k, v, do = inputs(1, seq, heads, dim, seed=seq, grad=False)
-    scale = dim ** -0.5
-    flops = 4.0 * seq * seq * dim * heads
-    out, lse2 = attention_fwd(q, k, v, scale)
-    candidates = {
-        "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (256, 64, 8, 2), (256, 128, 8, 2),
-                (64, 128, 4, 3)],
-        "dkdv": [(64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 3),
-                 (64, 64, 4, 4)],
-        "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 8, 4), (64, 64, 4, 4),
-               (256, 64, 8, 2)],
-    }
-    calls = {
-        "fwd": lambda c: attention_fwd(q, k, v, scale, c),
-        "dkdv": lambda c: attention_bwd(do, q, k, v, out, lse2, scale, dkdv_config=c),
-        "dq": lambda c: attention_bwd(do, q, k, v, out, lse2, scale, dq_config=c),
-    }
-    rows = []
-    for kernel, cands in candidates.items():
-        work = flops if kernel == "fwd" else 2.5 * flops
-        for cand in cands:
-            config = cfg(*cand)
-            call = lambda c=config, kernel=kernel: calls[kernel](c)
-            try:
-                call()
-                ms = statistics.median([time_ms(call) for _ in range(iters)])
-                rows.append({"kernel": kernel, "cfg": list(cand), "ms": ms, "tflops": work / ms / 1e9})
-            except Exception as exc:  # a config that does not fit the SM is recorded, not fatal
-                rows.append({"kernel": kernel, "cfg": list(cand), "error": repr(exc)[:200]})
-    return rows
+def sweep_order() -> list[tuple[str, tuple[int, ...]]]:
+    """Candidates interleaved across kernels by rank, so a time budget cuts the least informative."""
+    depth = max(len(c) for c in SWEEP_CANDIDATES.values())
+    return [(kernel, cands[i]) for i in range(depth) for kernel, cands in SWEEP_CANDIDATES.items() if i < len(cands)]
+
+
+class SweepCase:
+    """Inputs at one sequence length and a call per (kernel, candidate): the forward, or the whole
+    backward with one kernel's config replaced (the others keep their frozen configs)."""
+
+    def __init__(self, seq: int, heads: int, dim: int):
+        from flowlock.ops.attention.triton import attention_bwd, attention_fwd
+
+        self.q, self.k, self.v, self.do = inputs(1, seq, heads, dim, seed=seq, grad=False)
+        self.scale = dim ** -0.5
+        self.out, self.lse2 = attention_fwd(self.q, self.k, self.v, self.scale)
+        self._fwd, self._bwd = attention_fwd, attention_bwd
+        self.flops = 4.0 * seq * seq * dim * heads
+
+    def call(self, kernel: str, cand: tuple[int, ...]):
+        from flowlock.config import LaunchConfig
+
+        bm, bn, warps, stages, tma = cand
+        cfg = LaunchConfig((("BLOCK_M", bm), ("BLOCK_N", bn), ("TMA", tma)), num_warps=warps, num_stages=stages)
+        if kernel == "fwd":
+            return lambda: self._fwd(self.q, self.k, self.v, self.scale, cfg)
+        key = "dkdv_config" if kernel == "dkdv" else "dq_config"
+        return lambda: self._bwd(self.do, self.q, self.k, self.v, self.out, self.lse2, self.scale, **{key: cfg})
+
+
+def _precompile(args) -> list[str]:
+    """Worker: run each candidate once (compiling it into Triton's on-disk cache); errors as text."""
+    seq, heads, dim, cands = args
+    case = SweepCase(seq, heads, dim)
+    errors = []
+    for kernel, cand in cands:
+        try:
+            case.call(kernel, cand)()
+            torch.cuda.synchronize()
+        except Exception as exc:  # recorded by the timing pass, which runs the same call again
+            errors.append(f"{kernel} {cand}: {exc!r}"[:200])
+    return errors
+
+
+def precompile(seq: int, heads: int, dim: int, jobs: int) -> float:
+    """Compile every candidate in ``jobs`` worker processes (Triton compiles serially within one
+    process); the timing pass then loads them from the cache. Returns the seconds spent."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    order = sweep_order()
+    shares = [(seq, heads, dim, order[i::jobs]) for i in range(jobs)]
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_precompile, shares))
+    except Exception as exc:  # the timing pass compiles whatever the workers did not
+        print(f"precompile failed: {exc!r}", flush=True)
+    return time.time() - t0
+
+
+def window_ms(fn, calls: int) -> float:
+    """Milliseconds per call over ``calls`` back-to-back calls between two CUDA events (the host
+    time of each call overlaps the previous call's kernels)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def sweep(seq: int, heads: int, dim: int, windows: int, calls: int, budget_s: float, record) -> None:
+    """Time every candidate (median of ``windows`` windows of ``calls`` calls after one warm-up call)
+    and ``record(row)`` each at once; candidates left when ``budget_s`` has passed are recorded as
+    skipped."""
+    t0 = time.time()
+    case = SweepCase(seq, heads, dim)
+    for kernel, cand in sweep_order():
+        row = {"seq": seq, "kernel": kernel, "cfg": list(cand[:4]), "tma": bool(cand[4])}
+        if time.time() - t0 > budget_s:
+            record({**row, "skipped": f"sweep budget of {budget_s:.0f} s spent"})
+            continue
+        # backward rows time the whole backward (delta, dK/dV, dQ): 2.5x the forward's flops
+        work = case.flops if kernel == "fwd" else 2.5 * case.flops
+        try:
+            call = case.call(kernel, cand)
+            call()
+            torch.cuda.synchronize()
+            ms = statistics.median(window_ms(call, calls) for _ in range(windows))
+            row.update(ms=ms, tflops=work / ms / 1e9)
+        except Exception as exc:  # a config that does not fit the SM is recorded, not fatal
+            row["error"] = repr(exc)[:300]
+        record(row)
+
+
+def host_overhead(attention, seq: int, heads: int, dim: int, calls: int = 50) -> dict:
+    """Host microseconds per public call (time to return, kernels queued behind) with and without
+    an autograd node, and the forward's milliseconds per call amortized over back-to-back calls,
+    flowlock vs cuDNN."""
+    q, k, v, _ = inputs(1, seq, heads, dim, seed=seq, grad=False)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    res = {"seq": seq}
+    for label, fn in (("no_graph", lambda: attention(q, k, v)), ("graphed", lambda: attention(*leaves))):
+        fn()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            host.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        res[f"host_us_{label}"] = statistics.median(host)
+    cudnn = lambda: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v)
+    cudnn()
+    res["fwd_ms_amortized_flowlock"] = statistics.median(window_ms(lambda: attention(q, k, v), 10) for _ in range(3))
+    res["fwd_ms_amortized_cudnn"] = statistics.median(window_ms(cudnn, 10) for _ in range(3))
+    return res
+
+
+SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--out", required=True, help="JSON output path (rewritten after every result)")
     parser.add_argument("--skip-gate", action="store_true", help="skip the CPU test gate")
     parser.add_argument("--seqs", default="4096,16384,32768")
     parser.add_argument("--heads", type=int, default=56)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sweep", type=int, default=0, help="sequence length for a config sweep (0: none)")
+    parser.add_argument("--sweep", "--sweep-seq", dest="sweep", default="",
+                        help="sequence lengths (comma-separated) for a config sweep; empty: none")
+    parser.add_argument("--sweep-budget-s", type=float, default=110.0,
+                        help="stop starting sweep candidates after this many seconds (per sequence length)")
+    parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "sweep"),
+                        help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
     parser.add_argument("--commit", default=os.environ.get("FLOWLOCK_COMMIT", ""))
     args = parser.parse_args()
+    wanted = set(args.sections.split(",")) | ({"sweep"} if args.sweep else set())
+    if wanted - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(wanted - set(SECTIONS))}")
     if not args.skip_gate:
         run_gate()
     if not torch.cuda.is_available():
@@ -248,22 +354,48 @@ def main() -> None:
               "triton": triton.__version__, "cuda": torch.version.cuda,
               "cudnn": torch.backends.cudnn.version(), "heads": args.heads, "dim": args.dim}
     seqs = [int(s) for s in args.seqs.split(",") if s]
-    sections = [("accuracy", lambda: accuracy(attention, attention_golden)),
-                ("invariance", lambda: invariance(attention))]
-    if args.sweep:
-        sections.append(("sweep", lambda: sweep(args.sweep, args.heads, args.dim, 10)))
-    sections.append(("timings", lambda: timings(attention, seqs, args.heads, args.dim, args.iters, args.warmup)))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for name, section in sections:
+    sweep_seqs = [int(s) for s in args.sweep.split(",") if s]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # rewritten after every result so a run cut short still leaves its evidence
+        out.write_text(json.dumps(report, indent=1))
+
+    def run_sweep() -> list[dict]:
+        rows = report["sweep"] = []
+        for seq in sweep_seqs:
+            if args.sweep_jobs > 0:
+                report[f"sweep_precompile_s_{seq}"] = precompile(seq, args.heads, args.dim, args.sweep_jobs)
+                save()
+
+            def record(row: dict) -> None:
+                rows.append(row)
+                print("sweep", json.dumps(row), flush=True)
+                save()
+
+            sweep(seq, args.heads, args.dim, windows=3, calls=3, budget_s=args.sweep_budget_s, record=record)
+            torch.cuda.empty_cache()
+        return rows
+
+    sections = {
+        "accuracy": lambda: accuracy(attention, attention_golden),
+        "invariance": lambda: invariance(attention),
+        "host": lambda: [host_overhead(attention, s, args.heads, args.dim) for s in (4096,)],
+        "sweep": run_sweep,
+        "timings": lambda: timings(attention, seqs, args.heads, args.dim, args.iters, args.warmup),
+    }
+    for name in SECTIONS:
+        if name not in wanted:
+            continue
         t0 = time.time()
         try:
-            report[name] = section()
+            report[name] = sections[name]()
         except Exception as exc:  # keep what the other sections measured; the error is recorded
-            report[name] = {"error": repr(exc)[:2000]}
+            report[name] = {"error": repr(exc)[:2000], "partial": report.get(name)}
         report[f"{name}_s"] = time.time() - t0
-        print(name, json.dumps(report[name]), flush=True)
-        # written after every section so a run cut short still leaves its evidence
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(name, json.dumps(report[name])[:4000], flush=True)
+        save()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, launch_config
+from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import arch_of, traced
 from flowlock.ops.attention.reference import LOG2E
 
@@ -106,6 +107,7 @@ def _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, start_n, seq, stride_k
     return acc, l_i, m_new
 
 
+@fast_launch
 @triton.jit
 def _attention_fwd_kernel(Q, K, V, Out, Lse2, seq, heads, qk_scale,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -143,6 +145,7 @@ def _attention_fwd_kernel(Q, K, V, Out, Lse2, seq, heads, qk_scale,
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
+@fast_launch
 @triton.jit
 def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
                                 stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
@@ -188,6 +191,7 @@ def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, sta
     return dk, dv
 
 
+@fast_launch
 @triton.jit
 def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, qk_scale, sm_scale,
                                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -245,6 +249,7 @@ def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stri
     return _mma(ds.to(k.dtype), k, dq, UPCAST)
 
 
+@fast_launch
 @triton.jit
 def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scale, sm_scale,
                              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,

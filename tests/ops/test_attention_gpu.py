@@ -1,0 +1,82 @@
+"""attention on a Hopper GPU (compiled Triton): the TMA-descriptor kernels give the pointer kernels'
+bits at the frozen sm90 tiles (forward out and lse2, backward dq, dk, dv; ragged tails, one token,
+fused-qkv views), the TMA path is batch-invariant, and the no-graph call equals the graphed one.
+
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gpu.py
+"""
+
+import pytest
+import torch
+
+from flowlock.config import LaunchConfig, launch_config
+from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.attention import attention
+from flowlock.ops.attention.triton import attention_bwd, attention_fwd, tma_eligible
+from flowlock.testing import assert_batch_invariant, assert_bitwise_equal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                       reason="needs a Hopper (sm90+) GPU"),
+]
+
+DEVICE = "cuda"
+D = 128
+SCALE = D ** -0.5
+
+
+def _frozen(op, tma):
+    """The frozen sm90 config of ``op`` with its ``TMA`` key set to ``tma``."""
+    cfg = launch_config(op, torch.bfloat16, arch_of(torch.empty(0, device=DEVICE)), (D,))
+    blocks = tuple((k, int(tma) if k == "TMA" else v) for k, v in cfg.blocks)
+    assert dict(blocks)["BLOCK_M"] >= 64, "not the sm90 entry"
+    return LaunchConfig(blocks, cfg.num_warps, cfg.num_stages)
+
+
+def _configs(tma):
+    return tuple(_frozen(op, tma) for op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"))
+
+
+def _fused(b, s, h, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    qkv = torch.randn(b, s, 3 * h * D, device=DEVICE, generator=g).bfloat16()
+    do = torch.randn(b, s, h, D, device=DEVICE, generator=g).bfloat16()
+    q, k, v = (t.unflatten(-1, (h, D)) for t in qkv.chunk(3, dim=-1))
+    return q, k, v, do
+
+
+def _run(q, k, v, do, fwd_cfg, dkdv_cfg, dq_cfg):
+    out, lse2 = attention_fwd(q, k, v, SCALE, fwd_cfg)
+    return (out, lse2, *attention_bwd(do, q, k, v, out, lse2, SCALE, dkdv_cfg, dq_cfg))
+
+
+@pytest.mark.parametrize("b,s,h", [(2, 1, 3), (2, 77, 4), (1, 4096 + 33, 2)])
+def test_tma_kernels_equal_pointer_kernels(b, s, h):
+    inputs = _fused(b, s, h, seed=s)
+    assert all(tma_eligible(t) for t in inputs)
+    tma, pointer = _run(*inputs, *_configs(True)), _run(*inputs, *_configs(False))
+    assert_bitwise_equal(tma[:2], pointer[:2], f"forward out, lse2 at S={s}")
+    assert_bitwise_equal(tma[2:], pointer[2:], f"backward dq, dk, dv at S={s}")
+
+
+def test_tma_kernels_batch_invariant():
+    pool = _fused(3, 77, 3, seed=1)
+    configs = _configs(True)
+
+    def run(q, k, v, do):
+        out, lse2, dq, dk, dv = _run(q, k, v, do, *configs)
+        return out, lse2, dq, dk, dv
+
+    assert_batch_invariant(run, pool, sizes=(2, 3))
+
+
+def test_public_call_no_graph_equals_graphed():
+    q, k, v, do = _fused(1, 333, 4, seed=2)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    graphed = attention(*leaves)
+    with torch.no_grad():
+        plain = attention(q, k, v)
+    assert plain.grad_fn is None
+    assert_bitwise_equal(plain, graphed.detach(), "no-graph vs graphed forward")
+    grads = torch.autograd.grad(graphed, leaves, do)
+    assert_bitwise_equal(grads, _run(q, k, v, do, *_configs(True))[2:], "public backward vs TMA launchers")
