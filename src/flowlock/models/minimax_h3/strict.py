@@ -53,6 +53,7 @@ from torch import nn
 from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
 from flowlock.models.minimax_h3.structure import module_class, validate_structure
 from flowlock.modes import fallback_or_raise
+from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.attention import attention
 from flowlock.ops.final_adaln import final_adaln_out
@@ -377,7 +378,9 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
         audio_indices=audio_indices, text_indices=text_indices)
     run = Run.for_model(model)
 
-    cos, sin = rope_cos_sin(model.rope.inv_freq, position_ids)
+    # Seven small launches per forward otherwise; a layout's positions are reused every step.
+    inv_freq = model.rope.inv_freq
+    cos, sin = memoized_over([position_ids, inv_freq], "rope_cos_sin", lambda: rope_cos_sin(inv_freq, position_ids))
 
     video = call_with_run(run, model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
     audio = call_with_run(run, model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
