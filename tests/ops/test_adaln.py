@@ -273,17 +273,19 @@ def test_compiled_equals_eager():
     assert_bitwise_equal((*compiled[0], *compiled[1]), (*eager[0], *eager[1]), "compiled vs eager")
 
 
-def test_per_chunk_table_gradient_equals_one_sum_over_the_concatenation():
-    """The backward sums each chunk's gradient separately (no copy of all six): same bits as one
-    segmented sum over the six gradients side by side, missing gradients counting as zero."""
+def test_table_gradient_equals_one_sum_over_the_concatenation():
+    """The backward sums the six chunks' gradients without copying them side by side: same bits as
+    one segmented sum over the concatenation, missing gradients counting as zero."""
     from flowlock.ops.segment_sum.triton import segment_sum_fwd
 
     g = torch.Generator().manual_seed(21)
-    s, h, rows = 33, 40, torch.randint(0, 6, (33,), generator=g)
+    s, h, t = 33, 40, 2
+    ti, tag = torch.randint(0, t, (s,), generator=g), torch.randint(0, 3, (s,), generator=g)
     grads = [(torch.randn(s, h, generator=g) * 3).to(torch.bfloat16) for _ in range(6)]
     grads[4] = None
     full = torch.cat([torch.zeros(s, h, dtype=torch.bfloat16) if x is None else x for x in grads], dim=1)
-    assert_bitwise_equal(adaln_triton.adaln_modulation_bwd(tuple(grads), rows, 6), segment_sum_fwd(full, rows, 6))
+    assert_bitwise_equal(adaln_triton.adaln_modulation_bwd(tuple(grads), ti, tag, 3 * t),
+                         segment_sum_fwd(full, ti * 3 + tag, 3 * t))
 
 
 def test_eager_calls_launch_directly_with_one_gather(monkeypatch):

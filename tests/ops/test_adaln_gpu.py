@@ -123,3 +123,32 @@ def test_final_adaln_out_equals_diffusers_given_table_and_norm_and_is_repeatable
         final_adaln_out(*leaves, ti, EPS).backward(dy)
         return [t.grad for t in leaves]
     assert_repeatable(grads, runs=20)
+
+
+def test_table_gradient_equals_the_per_chunk_segment_sums():
+    """Compiled: the one six-chunk partials launch reduces every chunk with segment_sum's own tiles and
+    tree, so the table gradient equals the per-chunk segment sums bit for bit."""
+    from flowlock.ops.adaln.table_grad import adaln_modulation_bwd
+    from flowlock.ops.segment_sum.triton import segment_sum_fwd
+
+    t = 3
+    ti, tag = _indices(t, seed=31)
+    g = torch.Generator().manual_seed(32)
+    grads = [(torch.randn(S, H, generator=g) * 100).to(torch.bfloat16).to(DEVICE) for _ in range(6)]
+    grads[2] = None
+    rows = ti.long() * 3 + tag.long()
+    per_chunk = torch.cat([segment_sum_fwd(x, rows, 3 * t) if x is not None
+                           else torch.zeros(3 * t, H, device=DEVICE) for x in grads], dim=1)
+    assert_bitwise_equal(adaln_modulation_bwd(tuple(grads), ti, tag, 3 * t), per_chunk)
+
+
+def test_kernel_rounding_of_the_activation_equals_torch_cast():
+    """Compiled: the projection kernels' BF16 rounding of the FP32 SiLU equals ``.to(torch.bfloat16)``."""
+    from flowlock.ops.adaln.triton import adaln_table_bwd, adaln_table_fwd
+
+    temb, weight, bias = _params(3)
+    act = torch.nn.functional.silu(temb)
+    grad = torch.randn(3, 18 * H, generator=torch.Generator().manual_seed(33)).to(DEVICE)
+    assert_bitwise_equal(adaln_table_fwd(act, weight, bias), adaln_table_fwd(act.to(torch.bfloat16), weight, bias))
+    assert_bitwise_equal(adaln_table_bwd(grad, temb, act, weight),
+                         adaln_table_bwd(grad, temb, act.to(torch.bfloat16), weight))

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_index, check_tensor
+from flowlock.ops.adaln.reference import adaln_modulation_reference, adaln_table_reference
+from flowlock.ops.adaln.triton import AdalnModulationFunction, AdalnTableFunction, modulation_forward, projection
 
 
 def check_projection(temb: object, weight: object, bias: object, outputs_per_h: int) -> tuple[int, int, int]:
@@ -50,13 +53,12 @@ def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     order), ``db`` (likewise) and ``d_temb`` (FP32, N reduced in fixed chunks folded ascending).
     """
     t, _, _ = check_projection(temb, weight, bias, 18)
-    if backend_for("adaln_table", temb, weight, bias) == "triton":
-        from flowlock.ops.adaln.triton import AdalnTableFunction
-
+    if backend_for("adaln_table", temb, weight, bias) == "reference":
+        return adaln_table_reference(temb, weight, bias)
+    if needs_graph(temb, weight, bias):
         return AdalnTableFunction.apply(temb, weight, bias).view(3 * t, -1)
-    from flowlock.ops.adaln.reference import adaln_table_reference
-
-    return adaln_table_reference(temb, weight, bias)
+    # No gradient can flow: the node's own forward launches, without recording it.
+    return projection(temb, weight, bias)[1].view(3 * t, -1)
 
 
 def adaln_modulation(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -90,10 +92,9 @@ def adaln_modulation(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     for name, x in (("timestep_indices", timestep_indices), ("token_tags", token_tags)):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if backend_for("adaln_modulation", temb, weight, bias, timestep_indices, token_tags) == "triton":
-        from flowlock.ops.adaln.triton import AdalnModulationFunction
-
+    if backend_for("adaln_modulation", temb, weight, bias, timestep_indices, token_tags) == "reference":
+        return adaln_modulation_reference(temb, weight, bias, timestep_indices, token_tags)
+    if needs_graph(temb, weight, bias):
         return AdalnModulationFunction.apply(temb, weight, bias, timestep_indices, token_tags)
-    from flowlock.ops.adaln.reference import adaln_modulation_reference
-
-    return adaln_modulation_reference(temb, weight, bias, timestep_indices, token_tags)
+    # No gradient can flow: the node's own forward launches, without recording it.
+    return modulation_forward(temb, weight, bias, timestep_indices, token_tags)[1]

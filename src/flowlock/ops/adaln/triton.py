@@ -1,11 +1,13 @@
 """Triton kernels, launchers and autograd nodes of the AdaLN projection and row gather.
 
 The projection ``y = bf16(bf16(silu(temb)) @ W^T + b)`` is the shared core of ``adaln_table`` (18H
-outputs) and ``final_adaln_out`` (2H outputs). Its forward streams the weight once for up to 16 T
-rows; every output element is accumulated in FP32 over K in the same ascending tile order whatever
-T is, so a row's bits never depend on the other rows. The backward never rounds the FP32 table
-gradient: ``d_act`` reduces over N through fixed ``CHUNK_N`` partials folded in ascending order,
-and ``dW``/``db`` sum the T rows in ascending order before one BF16 rounding.
+outputs) and ``final_adaln_out`` (2H outputs). PyTorch computes the FP32 SiLU; the kernels round it
+to BF16 themselves (the round-to-nearest-even of ``.to(torch.bfloat16)``), which saves a launch. The
+forward streams the weight once for up to 16 T rows; every output element is accumulated in FP32
+over K in the same ascending tile order whatever T is, so a row's bits never depend on the other
+rows. The backward never rounds the FP32 table gradient: ``d_act`` reduces over N through fixed
+``CHUNK_N`` partials folded in ascending order, and ``dW``/``db`` sum the T rows in ascending order
+before one BF16 rounding. The row gather's backward is in :mod:`flowlock.ops.adaln.table_grad`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import launch_config
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of, traced
-from flowlock.ops.segment_sum.triton import segment_sum_fwd
+from flowlock.ops._triton_utils import traced
+from flowlock.ops.adaln._configs import config
+from flowlock.ops.adaln.table_grad import adaln_modulation_bwd
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -36,14 +38,15 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
     for k0 in range(0, E, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         mask_k = offs_k < E
-        a = tl.load(act_ptr + offs_t[:, None] * E + offs_k[None, :],
-                    mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        # The FP32 SiLU's one BF16 rounding (the identity on a BF16 activation).
+        a = round_f32(to_f32(tl.load(act_ptr + offs_t[:, None] * E + offs_k[None, :],
+                                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)), tl.bfloat16)
         w = tl.load(w_ptr + offs_n[None, :] * E + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
-            acc += tl.dot(to_f32(a), to_f32(w), input_precision="ieee")
+            acc += tl.dot(a, to_f32(w), input_precision="ieee")
         else:
-            acc += tl.dot(a, w)
+            acc += tl.dot(from_f32(a, tl.bfloat16), w)
     bias = to_f32(tl.load(b_ptr + offs_n, mask=mask_n, other=0.0))
     # One BF16 rounding after the bias, as nn.Linear's BF16 output; stored widened to FP32.
     y = round_f32(acc + bias[None, :], tl.bfloat16)
@@ -104,7 +107,7 @@ def _adaln_table_bwd_weight_kernel(g_ptr, act_ptr, dw_ptr, db_ptr, T, N, E,
     # T rows summed one at a time in ascending order: the fold order is fixed by T alone.
     for t in range(0, T):
         g = tl.load(g_ptr + t * N + offs_n, mask=mask_n, other=0.0)
-        a = to_f32(tl.load(act_ptr + t * E + offs_k, mask=mask_k, other=0.0))
+        a = round_f32(to_f32(tl.load(act_ptr + t * E + offs_k, mask=mask_k, other=0.0)), tl.bfloat16)
         acc += g[:, None] * a[None, :]
         acc_b += g
     tl.store(dw_ptr + offs_n[:, None] * E + offs_k[None, :], from_f32(round_f32(acc, tl.bfloat16), tl.bfloat16),
@@ -139,20 +142,22 @@ def _adaln_modulation_fwd_kernel(table_ptr, ti_ptr, tag_ptr, out0_ptr, out1_ptr,
 
 
 def silu_act(temb: torch.Tensor) -> torch.Tensor:
-    """``bf16(silu(temb))``: the activation diffusers computes, with the same PyTorch op.
+    """``silu(temb)`` in FP32, with the PyTorch op diffusers uses; the kernels that read it round it
+    to BF16 once, giving diffusers' ``silu(temb).to(torch.bfloat16)`` activation.
 
     SiLU runs in FP32 (casting first changes ~52% of outputs) and is left to PyTorch's own kernel
     so the BF16 activation is bitwise the one the provider feeds its projection; a Triton ``exp``
     differs from it in the last FP32 bits and would occasionally flip a BF16 rounding.
     """
-    return torch.nn.functional.silu(temb).to(torch.bfloat16)
+    return torch.nn.functional.silu(temb)
 
 
 def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``(T, N)`` FP32 holding ``bf16(act @ weight^T + bias)``; act (T, E) bf16, weight (N, E) bf16."""
+    """``(T, N)`` FP32 holding ``bf16(bf16(act) @ weight^T + bias)``; act (T, E) fp32 (the SiLU output,
+    rounded to BF16 in the kernel) or bf16, weight (N, E) bf16. Trusted: inputs are not validated."""
     t, e = act.shape
     n = weight.shape[0]
-    cfg = launch_config("adaln_proj_fwd", weight.dtype, arch_of(weight))
+    cfg = config("adaln_proj_fwd", weight)
     out = torch.empty((t, n), dtype=torch.float32, device=act.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(t, cfg["BLOCK_T"]))
     _adaln_table_fwd_kernel[grid](act, weight, bias, out, t, n, e,
@@ -167,6 +172,7 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """VJP of the projection: grad (T, N) FP32 -> (d_temb (T, E) fp32, dW (N, E) bf16, db (N,) bf16).
 
+    ``act`` is the forward's activation input (fp32 SiLU or bf16, see :func:`adaln_table_fwd`).
     ``need_temb=False`` skips the pass that re-reads the weight (d_temb is None); ``need_params=False``
     skips dW and db (None), e.g. for a frozen projection.
     """
@@ -175,7 +181,7 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
     n = weight.shape[0]
     d_temb = d_weight = d_bias = None
     if need_temb:
-        cfg = launch_config("adaln_proj_bwd_act", weight.dtype, arch_of(weight))
+        cfg = config("adaln_proj_bwd_act", weight)
         if cfg["CHUNK_N"] % cfg["BLOCK_N"]:
             # A chunk's inner loop would run into the next chunk and count those rows twice.
             raise ValueError(f"adaln_proj_bwd_act: CHUNK_N {cfg['CHUNK_N']} must be a multiple of BLOCK_N")
@@ -190,7 +196,7 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
         _adaln_table_bwd_fold_kernel[(triton.cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
                                                                          BLOCK=fold_block)
     if need_params:
-        wcfg = launch_config("adaln_proj_bwd_weight", weight.dtype, arch_of(weight))
+        wcfg = config("adaln_proj_bwd_weight", weight)
         d_weight = torch.empty((n, e), dtype=torch.bfloat16, device=grad.device)
         d_bias = torch.empty((n,), dtype=torch.bfloat16, device=grad.device)
         wgrid = (triton.cdiv(n, wcfg["BLOCK_N"]), triton.cdiv(e, wcfg["BLOCK_K"]))
@@ -205,24 +211,12 @@ def adaln_modulation_fwd(table: torch.Tensor, timestep_indices: torch.Tensor,
     """Six ``(S, H)`` BF16 tensors ``table[ti*3+tag, c*H:(c+1)*H]`` from the ``(3T, 6H)`` FP32 table."""
     s = timestep_indices.shape[0]
     h = table.shape[1] // 6
-    cfg = launch_config("adaln_gather", table.dtype, arch_of(table))
+    cfg = config("adaln_gather", table)
     grid = (triton.cdiv(s, cfg["BLOCK_S"]), triton.cdiv(h, cfg["BLOCK_H"]))
     outs = tuple(torch.empty((s, h), dtype=torch.bfloat16, device=table.device) for _ in range(6))
     _adaln_modulation_fwd_kernel[grid](table, timestep_indices, token_tags, *outs, s, h, table.stride(0),
                                        BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg.num_warps)
     return outs
-
-
-def adaln_modulation_bwd(grads: tuple[torch.Tensor | None, ...], rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Six ``(S, H)`` gradients (``None``: zero) -> the ``(3T, 6H)`` FP32 table gradient by deterministic
-    segmented sums (``rows``: the ``(S,)`` table row ``ti*3 + tag`` of each gradient row).
-
-    One segmented sum per chunk reads each gradient once; concatenating them first would copy all six
-    ``(S, H)`` gradients. A column's sum does not depend on its neighbours, so the bits are the same.
-    """
-    h = next(g.shape[1] for g in grads if g is not None)
-    return torch.cat([segment_sum_fwd(g.contiguous(), rows, num_rows) if g is not None
-                      else rows.new_zeros((num_rows, h), dtype=torch.float32) for g in grads], dim=1)
 
 
 @torch.library.custom_op("flowlock::adaln_table_fwd", mutates_args=())
@@ -275,13 +269,14 @@ def _(table, timestep_indices, token_tags):
 
 
 @torch.library.custom_op("flowlock::adaln_modulation_bwd", mutates_args=())
-def _adaln_modulation_bwd_op(grads: list[torch.Tensor], rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+def _adaln_modulation_bwd_op(grads: list[torch.Tensor], timestep_indices: torch.Tensor, token_tags: torch.Tensor,
+                             num_rows: int) -> torch.Tensor:
     """The segmented sum of the six row gradients as one opaque op."""
-    return adaln_modulation_bwd(tuple(grads), rows, num_rows)
+    return adaln_modulation_bwd(tuple(grads), timestep_indices, token_tags, num_rows)
 
 
 @_adaln_modulation_bwd_op.register_fake
-def _(grads, rows, num_rows):
+def _(grads, timestep_indices, token_tags, num_rows):
     return grads[0].new_empty((num_rows, 6 * grads[0].shape[1]), dtype=torch.float32)
 
 
@@ -297,10 +292,21 @@ def projection_vjp(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, we
 
 
 def projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(act, table)``: the BF16 activation and the ``(T, N)`` FP32 table (through the custom op when
-    traced)."""
+    """``(act, table)``: the FP32 SiLU activation and the ``(T, N)`` FP32 table (through the custom op
+    when traced)."""
     act = silu_act(temb)
     return act, (_adaln_table_fwd_op if traced() else adaln_table_fwd)(act, weight, bias)
+
+
+def modulation_forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, timestep_indices: torch.Tensor,
+                       token_tags: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(act, six (S, H) bf16 rows)``: the launches of :class:`AdalnModulationFunction`'s forward, which a
+    call that records no autograd node makes directly (same launchers, same bits)."""
+    act, table = projection(temb, weight, bias)
+    table = table.view(3 * temb.shape[0], -1)
+    if traced():
+        return act, tuple(_adaln_modulation_fwd_op(table, timestep_indices, token_tags))
+    return act, adaln_modulation_fwd(table, timestep_indices, token_tags)
 
 
 class AdalnTableFunction(torch.autograd.Function):
@@ -324,28 +330,26 @@ class AdalnModulationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, temb, weight, bias, timestep_indices, token_tags):
-        act, table = projection(temb, weight, bias)
+        act, outs = modulation_forward(temb, weight, bias, timestep_indices, token_tags)
         ctx.save_for_backward(temb, act, weight, timestep_indices, token_tags)
-        table = table.view(3 * temb.shape[0], -1)
-        if traced():
-            return tuple(_adaln_modulation_fwd_op(table, timestep_indices, token_tags))
-        return adaln_modulation_fwd(table, timestep_indices, token_tags)
+        # An unused chunk's gradient arrives as None, not as a zero-filled (S, H) tensor: the table
+        # gradient kernel writes its zero partials without reading anything.
+        ctx.set_materialize_grads(False)
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
         temb, act, weight, timestep_indices, token_tags = ctx.saved_tensors
-        t = temb.shape[0]
-        h = weight.shape[0] // 18
-        s = timestep_indices.shape[0]
         if all(g is None for g in grads):
             return None, None, None, None, None
-        rows = timestep_indices.long() * 3 + token_tags.long()
+        t = temb.shape[0]
         if traced():
-            grads = [g.contiguous() if g is not None else act.new_zeros((s, h)) for g in grads]
-            d_table = _adaln_modulation_bwd_op(grads, rows, 3 * t)
+            s, h = timestep_indices.shape[0], weight.shape[0] // 18
+            grads = [g.contiguous() if g is not None else weight.new_zeros((s, h)) for g in grads]
+            d_table = _adaln_modulation_bwd_op(grads, timestep_indices, token_tags, 3 * t)
         else:
-            d_table = adaln_modulation_bwd(grads, rows, 3 * t)
+            d_table = adaln_modulation_bwd(grads, timestep_indices, token_tags, 3 * t)
         need = ctx.needs_input_grad
-        d_temb, d_weight, d_bias = projection_vjp(d_table.view(t, 18 * h), temb, act, weight,
+        d_temb, d_weight, d_bias = projection_vjp(d_table.view(t, -1), temb, act, weight,
                                                   need[0], need[1] or need[2])
         return d_temb, d_weight, d_bias, None, None

@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_index, check_tensor
 from flowlock.ops.adaln.api import check_projection
+from flowlock.ops.final_adaln.reference import final_adaln_out_reference
+from flowlock.ops.final_adaln.triton import FinalAdalnOutFunction, final_forward
 from flowlock.ops.rms_norm._tables import check_eps
 
 
@@ -52,11 +55,9 @@ def final_adaln_out(x: torch.Tensor, temb: torch.Tensor, norm_weight: torch.Tens
     if not timestep_indices.is_contiguous():
         raise ValueError("timestep_indices must be contiguous")
     eps = check_eps(eps)
-    tensors = (x, temb, norm_weight, weight, bias, timestep_indices)
-    if backend_for("final_adaln_out", *tensors) == "triton":
-        from flowlock.ops.final_adaln.triton import FinalAdalnOutFunction
-
+    if backend_for("final_adaln_out", x, temb, norm_weight, weight, bias, timestep_indices) == "reference":
+        return final_adaln_out_reference(x, temb, norm_weight, weight, bias, timestep_indices, eps)
+    if needs_graph(x, temb, norm_weight, weight, bias):
         return FinalAdalnOutFunction.apply(x, temb, norm_weight, weight, bias, timestep_indices, eps)
-    from flowlock.ops.final_adaln.reference import final_adaln_out_reference
-
-    return final_adaln_out_reference(x, temb, norm_weight, weight, bias, timestep_indices, eps)
+    # No gradient can flow: the node's own forward launches, without recording it.
+    return final_forward(x, temb, norm_weight, weight, bias, timestep_indices, eps)[2]

@@ -49,13 +49,22 @@ def _(dy, x, norm_weight, rstd, table, timestep_indices):
     return x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), table.new_empty(table.shape)
 
 
+def final_forward(x: torch.Tensor, temb: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor, timestep_indices: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(act, table, y, rstd)``: the launches of :class:`FinalAdalnOutFunction`'s forward, which a call
+    that records no autograd node makes directly (same launchers, same bits)."""
+    act, table = projection(temb, weight, bias)
+    y, rstd = (_final_adaln_norm_fwd_op if traced() else _norm_fwd)(x, norm_weight, table, timestep_indices, eps)
+    return act, table, y, rstd
+
+
 class FinalAdalnOutFunction(torch.autograd.Function):
     """One node: x (..., S, H), temb (T, E), norm_weight (H,), weight (2H, E), bias (2H,) -> like x."""
 
     @staticmethod
     def forward(ctx, x, temb, norm_weight, weight, bias, timestep_indices, eps):
-        act, table = projection(temb, weight, bias)
-        y, rstd = (_final_adaln_norm_fwd_op if traced() else _norm_fwd)(x, norm_weight, table, timestep_indices, eps)
+        act, table, y, rstd = final_forward(x, temb, norm_weight, weight, bias, timestep_indices, eps)
         ctx.save_for_backward(x, temb, act, norm_weight, weight, table, rstd, timestep_indices)
         return y
 
