@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.gate_residual.reference import gate_residual_reference
-from flowlock.ops.gate_residual.triton import GateResidualFunction
+from flowlock.ops.gate_residual.triton import GateResidualFunction, gate_residual_forward
 from flowlock.ops.rms_norm._tables import check_contiguous, check_table
 
 
@@ -41,4 +42,6 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, i
     check_index("index", index, length=s, upper=gate.shape[0], device=residual.device, check_range=check_indices)
     if backend_for("gate_residual", residual, gate, y, index) == "reference":
         return gate_residual_reference(residual, gate, y, index)
-    return GateResidualFunction.apply(residual, gate, y, index)
+    if needs_graph(residual, gate, y):
+        return GateResidualFunction.apply(residual, gate, y, index)
+    return gate_residual_forward(residual, gate, y, index)

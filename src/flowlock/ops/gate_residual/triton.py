@@ -1,8 +1,9 @@
 """Triton gated residual ``residual + gate[index] * y``: elementwise, eager's two roundings, no FMA.
 
 d_residual is the incoming gradient; d_y = ``g * gate[index]`` rounded once, exactly as eager's
-product backward; d_gate is a segment sum of ``g * y`` over all ``(batch x S)`` rows through
-``segment_sum`` (fp32 sums of exact products over fixed 64-row tiles, folded ascending).
+product backward; d_gate is a segment sum of ``g * y`` over all ``(batch x S)`` rows with
+``segment_sum``'s bits (fp32 sums of exact products over fixed 64-row tiles, folded ascending). One
+backward launch writes d_y and the d_gate tile partials, then the shared fold runs.
 """
 
 from __future__ import annotations
@@ -11,21 +12,21 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of, traced
-from flowlock.ops.segment_sum.triton import segment_sum_fwd
+from flowlock.ops._triton_utils import traced
+from flowlock.ops.segment_sum._configs import config_for
+from flowlock.ops.segment_sum.fold import fold_partials
+from flowlock.ops.segment_sum.triton import segment_partials
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
 def _gate_residual_kernel(
-    a_ptr, b_ptr, gate_ptr, index_ptr, out_ptr, M, H, S, stride_gate,
-    WITH_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    residual_ptr, y_ptr, gate_ptr, index_ptr, out_ptr, M, H, S, stride_gate,
+    DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """``out = round(a + round(gate[i] * b))`` when ``WITH_RESIDUAL`` (forward: a = residual, b = y),
-    else ``out = round(gate[i] * b)`` (backward: b = g); ``i = index[row % S]``."""
+    """``out = round(residual + round(gate[i] * y))`` with ``i = index[row % S]``."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_mask = rows < M
@@ -33,23 +34,47 @@ def _gate_residual_kernel(
     offs = rows[:, None] * H + cols[None, :]
     seg = tl.load(index_ptr + rows % S, mask=row_mask, other=0).to(tl.int64)
     gate = to_f32(tl.load(gate_ptr + seg[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0))
-    out = round_f32(gate * to_f32(tl.load(b_ptr + offs, mask=mask, other=0.0)), DTYPE)
-    if WITH_RESIDUAL:
-        out = round_f32(to_f32(tl.load(a_ptr + offs, mask=mask, other=0.0)) + out, DTYPE)
+    out = round_f32(gate * to_f32(tl.load(y_ptr + offs, mask=mask, other=0.0)), DTYPE)
+    out = round_f32(to_f32(tl.load(residual_ptr + offs, mask=mask, other=0.0)) + out, DTYPE)
     tl.store(out_ptr + offs, from_f32(out, DTYPE), mask=mask)
 
 
-def _launch(a: torch.Tensor | None, b: torch.Tensor, gate: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    h, s = b.shape[-1], index.shape[0]
-    m = b.numel() // h if h else 0
-    out = torch.empty_like(b)
-    if out.numel() == 0:
+@triton.jit
+def _gate_residual_bwd_kernel(
+    g_ptr, y_ptr, gate_ptr, index_ptr, dy_ptr, partials_ptr, M, H, R, S, stride_gate,
+    DTYPE: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One segment-sum tile of the backward: ``dy = round(gate[i] * g)`` for its elements and the
+    tile's d_gate partials ``Σ g * y`` per segment, reduced exactly as ``segment_sum_partials``
+    reduces ``values=g, other=y`` (same tile, same config, same shared reduction code)."""
+    tile = tl.program_id(0)
+    rows = tile.to(tl.int64) * TILE_ROWS + tl.arange(0, TILE_ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < H
+    mask = row_mask[:, None] & col_mask[None, :]
+    segment = tl.load(index_ptr + rows % S, mask=row_mask, other=-1)
+    offs = rows[:, None] * H + cols[None, :]
+    g = to_f32(tl.load(g_ptr + offs, mask=mask, other=0.0))
+    gate = to_f32(tl.load(gate_ptr + segment.to(tl.int64)[:, None] * stride_gate + cols[None, :], mask=mask,
+                          other=0.0))
+    tl.store(dy_ptr + offs, from_f32(round_f32(gate * g, DTYPE), DTYPE), mask=mask)
+    v = g * to_f32(tl.load(y_ptr + offs, mask=mask, other=0.0))
+    segment_partials(v, segment, partials_ptr + tile.to(tl.int64) * R * H + cols, R, H, col_mask)
+
+
+def gate_residual_fwd(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
+                      ) -> torch.Tensor:
+    """``residual + gate[index] * y`` for contiguous ``(..., S, H)`` tensors. Trusted: not validated."""
+    h, s = y.shape[-1], index.shape[0]
+    m = y.numel() // h if h else 0
+    out = torch.empty_like(y)
+    if m == 0:
         return out
-    cfg = launch_config("gate_residual", b.dtype, arch_of(b))
-    grid = (triton.cdiv(m, cfg["ROWS"]), triton.cdiv(h, cfg["BLOCK_H"]))
-    _gate_residual_kernel[grid](
-        b if a is None else a, b, gate, index, out, m, h, s, gate.stride(0),
-        WITH_RESIDUAL=a is not None, DTYPE=_TL_DTYPE[b.dtype], ROWS=cfg["ROWS"], BLOCK_H=cfg["BLOCK_H"],
+    cfg = config_for("gate_residual", y)
+    _gate_residual_kernel[(-(-m // cfg["ROWS"]), -(-h // cfg["BLOCK_H"]))](
+        residual, y, gate, index, out, m, h, s, gate.stride(0),
+        DTYPE=_TL_DTYPE[y.dtype], ROWS=cfg["ROWS"], BLOCK_H=cfg["BLOCK_H"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         # Eager rounds the product before adding the residual: no fused multiply-add.
         enable_fp_fusion=False,
@@ -57,20 +82,26 @@ def _launch(a: torch.Tensor | None, b: torch.Tensor, gate: torch.Tensor, index: 
     return out
 
 
-def gate_residual_fwd(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
-                      ) -> torch.Tensor:
-    """``residual + gate[index] * y`` for contiguous ``(..., S, H)`` tensors. Trusted: not validated."""
-    return _launch(residual, y, gate, index)
-
-
 def gate_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d_y like y, d_gate (R, H) fp32)``; ``dout`` contiguous. Trusted: inputs are not validated."""
-    dy = _launch(None, dout, gate, index)
-    h = y.shape[-1]
-    dgate = segment_sum_fwd(dout.reshape(-1, h), index, gate.shape[0], other=y.reshape(-1, h),
-                            period=index.shape[0])
-    return dy, dgate
+    """``(d_y like y, d_gate (R, H) fp32)``; ``dout`` contiguous. Trusted: inputs are not validated.
+
+    One launch writes d_y and the d_gate tile partials (both read ``dout`` once); the partials are
+    folded by the shared ``fold_partials``, so d_gate has ``segment_sum``'s bits.
+    """
+    h, s, r = y.shape[-1], index.shape[0], gate.shape[0]
+    m = y.numel() // h if h else 0
+    dy = torch.empty_like(y)
+    cfg = config_for("segment_sum_partials", y)
+    tiles = max(-(-m // cfg["TILE_ROWS"]), 1)
+    partials = torch.empty((tiles, r, h), dtype=torch.float32, device=y.device)
+    if h > 0:
+        _gate_residual_bwd_kernel[(tiles, -(-h // cfg["BLOCK_N"]))](
+            dout, y, gate, index, dy, partials, m, h, r, max(s, 1), gate.stride(0),
+            DTYPE=_TL_DTYPE[y.dtype], TILE_ROWS=cfg["TILE_ROWS"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return dy, fold_partials(partials)
 
 
 @torch.library.custom_op("flowlock::gate_residual_fwd", mutates_args=())
@@ -98,13 +129,19 @@ def _(dout, gate, y, index):
     return y.new_empty(y.shape), gate.new_empty(gate.shape)
 
 
+def gate_residual_forward(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
+                          ) -> torch.Tensor:
+    """The forward as every path runs it: the registered custom op while tracing, else the launcher."""
+    return (_gate_residual_fwd_op if traced() else gate_residual_fwd)(residual, gate, y, index)
+
+
 class GateResidualFunction(torch.autograd.Function):
     """Autograd boundary of the gated residual; d_residual is the incoming gradient itself."""
 
     @staticmethod
     def forward(ctx, residual, gate, y, index):
         ctx.save_for_backward(gate, y, index)
-        return (_gate_residual_fwd_op if traced() else gate_residual_fwd)(residual, gate, y, index)
+        return gate_residual_forward(residual, gate, y, index)
 
     @staticmethod
     def backward(ctx, dout):

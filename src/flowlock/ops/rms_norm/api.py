@@ -5,10 +5,16 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.rms_norm._tables import check_contiguous, check_eps, check_table
 from flowlock.ops.rms_norm.reference import rms_norm_modulate_reference, rms_norm_reference
-from flowlock.ops.rms_norm.triton import RMSNormFunction, RMSNormModulateFunction
+from flowlock.ops.rms_norm.triton import (
+    RMSNormFunction,
+    RMSNormModulateFunction,
+    rms_norm_forward,
+    rms_norm_modulate_forward,
+)
 
 
 def _check_x_weight(x: object, weight: object, min_ndim: int) -> None:
@@ -40,7 +46,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     eps = check_eps(eps)
     if backend_for("rms_norm", x, weight) == "reference":
         return rms_norm_reference(x, weight, eps)
-    return RMSNormFunction.apply(x, weight, eps)
+    if needs_graph(x, weight):
+        return RMSNormFunction.apply(x, weight, eps)
+    return rms_norm_forward(x, weight, eps)[0]
 
 
 def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
@@ -74,4 +82,6 @@ def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor
     eps = check_eps(eps)
     if backend_for("rms_norm_modulate", x, weight, shift, scale, index) == "reference":
         return rms_norm_modulate_reference(x, weight, shift, scale, index, eps)
-    return RMSNormModulateFunction.apply(x, weight, shift, scale, index, eps)
+    if needs_graph(x, weight, shift, scale):
+        return RMSNormModulateFunction.apply(x, weight, shift, scale, index, eps)
+    return rms_norm_modulate_forward(x, weight, shift, scale, index, eps)[0]

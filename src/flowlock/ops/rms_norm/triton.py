@@ -14,11 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of, traced
+from flowlock.ops._triton_utils import traced
+from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
-from flowlock.ops.segment_sum.triton import segment_sum_fwd
+from flowlock.ops.segment_sum.triton import num_tiles, write_segment_partials
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -62,7 +62,7 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, dx_ptr, normed_ptr, dw_partials_ptr,
-    M, H, S, stride_scale, h_float,
+    M, H, S, stride_scale, stride_partials, h_float,
     HAS_MOD: tl.constexpr, DTYPE: tl.constexpr, TILE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -93,11 +93,13 @@ def _rms_norm_bwd_kernel(
         dx = (u - x_hat * c_row[:, None]) * rstd[:, None]
         tl.store(dx_ptr + offs, from_f32(round_f32(dx, DTYPE), DTYPE), mask=mask)
         dw += tl.sum(g * x_hat, axis=0)
-    tl.store(dw_partials_ptr + tile * H + cols, dw, mask=cols < H)
+    tl.store(dw_partials_ptr + tile * stride_partials + cols, dw, mask=cols < H)
 
 
 def _block_h(h: int) -> int:
-    return triton.next_power_of_2(max(h, 1))
+    """The whole row in one block: the next power of two ``>= h`` (``triton.next_power_of_2``, without
+    its constexpr-call overhead on the host)."""
+    return 1 << max(h - 1, 0).bit_length()
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor | None = None,
@@ -112,9 +114,9 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0 or h == 0:
         return y, rstd.zero_()
-    cfg = launch_config("rms_norm_fwd", x.dtype, arch_of(x))
+    cfg = config_for("rms_norm_fwd", x)
     has_mod = shift is not None
-    _rms_norm_fwd_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
+    _rms_norm_fwd_kernel[(-(-m // cfg["ROWS"]),)](
         x, weight, shift if has_mod else x, scale if has_mod else x, index if has_mod else rstd, y, rstd,
         m, h, index.shape[0] if has_mod else 1, shift.stride(0) if has_mod else 0,
         scale.stride(0) if has_mod else 0, eps, float(h),
@@ -131,33 +133,48 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
                  index: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx like x, dweight (H,) fp32, dshift, dscale (R, H) fp32 or None)``; dweight and the table
-    gradients are fixed-order sums over 64-row tiles. Trusted: inputs are not validated."""
+    gradients are fixed-order sums over 64-row tiles. Trusted: inputs are not validated.
+
+    With modulation the three gradients share one ``(tiles, H + 2 R H)`` fp32 partial buffer,
+    ``[dweight | dshift | dscale]`` per tile: the norm kernel writes the dweight columns, one
+    segment-sum launch the table columns, and one fold reduces all of them. The fold sums each
+    column on its own in the same order at any width, so the bits equal three separate folds.
+    """
+    dx, folded = _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
+    if shift is None:
+        return dx, folded, None, None
+    return (dx, *_unpack(folded, x.shape[-1], shift.shape[0]))
+
+
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                  shift: torch.Tensor | None, scale: torch.Tensor | None, index: torch.Tensor | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, folded fp32 gradients)``: ``(H,)`` without modulation, else ``(H + 2 R H,)`` packed."""
     h = x.shape[-1]
     m = x.numel() // h if h else 0
     dy = dy.contiguous()
-    cfg = launch_config("rms_norm_bwd", x.dtype, arch_of(x))
-    tiles = max(triton.cdiv(m, cfg["TILE_ROWS"]), 1)
+    cfg = config_for("rms_norm_bwd", x)
+    tiles = max(-(-m // cfg["TILE_ROWS"]), 1)
     dx = torch.empty_like(x)
-    partials = torch.empty((tiles, h), dtype=torch.float32, device=x.device)
     has_mod = shift is not None
+    r = shift.shape[0] if has_mod else 0
+    partials = torch.empty((tiles, h + 2 * r * h), dtype=torch.float32, device=x.device)
     # Without modulation the kernel never touches ``normed``; dx stands in as a valid pointer.
     normed = torch.empty((m, h), dtype=x.dtype, device=x.device) if has_mod else dx
     if h > 0:
         _rms_norm_bwd_kernel[(tiles,)](
             x, weight, dy, rstd, scale if has_mod else x, index if has_mod else rstd, dx, normed, partials,
-            m, h, index.shape[0] if has_mod else 1, scale.stride(0) if has_mod else 0, float(h),
+            m, h, index.shape[0] if has_mod else 1, scale.stride(0) if has_mod else 0, partials.stride(0), float(h),
             HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], TILE_ROWS=cfg["TILE_ROWS"], SUB_ROWS=cfg["SUB_ROWS"],
             BLOCK_H=_block_h(h),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    dweight = fold_partials(partials)
-    if not has_mod:
-        return dx, dweight, None, None
-    rows = dy.reshape(m, h)
-    r = shift.shape[0]
-    dshift = segment_sum_fwd(rows, index, r, period=index.shape[0])
-    dscale = segment_sum_fwd(rows, index, r, other=normed, period=index.shape[0])
-    return dx, dweight, dshift, dscale
+    if has_mod:
+        rows = dy.reshape(m, h)
+        if num_tiles(rows) != tiles:
+            raise RuntimeError("rms_norm_bwd and segment_sum_partials configs disagree on the tile rows")
+        write_segment_partials(partials[:, h:], rows, index, r, other=normed, period=index.shape[0], pair=True)
+    return dx, fold_partials(partials)
 
 
 def _rms_norm_fwd_pair(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,22 +220,40 @@ def _(x, weight, shift, scale, index, eps):
     return x.new_empty(x.shape), x.new_empty((x.numel() // max(x.shape[-1], 1),), dtype=torch.float32)
 
 
-def _rms_norm_modulate_bwd_pair(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                                shift: torch.Tensor, scale: torch.Tensor, index: torch.Tensor
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, dweight, dshift, dscale)``, each parameter gradient rounded once to its tensor's dtype."""
-    dx, dweight, dshift, dscale = rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
-    return dx, dweight.to(weight.dtype), dshift.to(shift.dtype), dscale.to(scale.dtype)
+def _rms_norm_modulate_bwd_packed(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                                  shift: torch.Tensor, scale: torch.Tensor, index: torch.Tensor
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, [dweight | dshift | dscale] (H + 2 R H,) fp32)``: the folded gradients in one buffer, so
+    the custom op returns no aliasing views; :func:`_unpack` splits and rounds them."""
+    return _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
 
 
-_rms_norm_modulate_bwd_op = torch.library.custom_op("flowlock::rms_norm_modulate_bwd", _rms_norm_modulate_bwd_pair,
+_rms_norm_modulate_bwd_op = torch.library.custom_op("flowlock::rms_norm_modulate_bwd", _rms_norm_modulate_bwd_packed,
                           mutates_args=())
 
 
 @_rms_norm_modulate_bwd_op.register_fake
 def _(dy, x, weight, rstd, shift, scale, index):
-    return (x.new_empty(x.shape), weight.new_empty(weight.shape), shift.new_empty(shift.shape),
-            scale.new_empty(scale.shape))
+    h = x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty((h + 2 * shift.shape[0] * h,), dtype=torch.float32)
+
+
+def _unpack(folded: torch.Tensor, h: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dweight (H,), dshift (R, H), dscale (R, H))`` views of the packed fp32 gradients."""
+    return folded[:h], folded[h:h + r * h].view(r, h), folded[h + r * h:].view(r, h)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` as every path runs it: the registered custom op while tracing, else the launcher."""
+    return (_rms_norm_fwd_op if traced() else rms_norm_fwd)(x, weight, eps)
+
+
+def rms_norm_modulate_forward(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                              index: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` of the modulated norm, through the custom op only while tracing."""
+    if traced():
+        return _rms_norm_modulate_fwd_op(x, weight, shift, scale, index, eps)
+    return rms_norm_fwd(x, weight, eps, shift, scale, index)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -226,14 +261,14 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, rstd = (_rms_norm_fwd_op if traced() else _rms_norm_fwd_pair)(x, weight, eps)
+        y, rstd = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dweight = (_rms_norm_bwd_op if traced() else _rms_norm_bwd_pair)(dy.contiguous(), x, weight, rstd)
+        dx, dweight = (_rms_norm_bwd_op if traced() else _rms_norm_bwd_pair)(dy, x, weight, rstd)
         return dx, dweight, None
 
 
@@ -242,14 +277,15 @@ class RMSNormModulateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, shift, scale, index, eps):
-        fwd = _rms_norm_modulate_fwd_op if traced() else _rms_norm_modulate_fwd_pair
-        y, rstd = fwd(x, weight, shift, scale, index, eps)
+        y, rstd = rms_norm_modulate_forward(x, weight, shift, scale, index, eps)
         ctx.save_for_backward(x, weight, rstd, shift, scale, index)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd, shift, scale, index = ctx.saved_tensors
-        bwd = _rms_norm_modulate_bwd_op if traced() else _rms_norm_modulate_bwd_pair
-        dx, dweight, dshift, dscale = bwd(dy.contiguous(), x, weight, rstd, shift, scale, index)
-        return dx, dweight, dshift, dscale, None, None
+        bwd = _rms_norm_modulate_bwd_op if traced() else _rms_norm_modulate_bwd_packed
+        dx, folded = bwd(dy, x, weight, rstd, shift, scale, index)
+        dweight, dshift, dscale = _unpack(folded, x.shape[-1], shift.shape[0])
+        # Each parameter gradient rounded once to its tensor's dtype (a no-op for fp32).
+        return dx, dweight.to(weight.dtype), dshift.to(shift.dtype), dscale.to(scale.dtype), None, None

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flowlock.config import launch_config
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum._configs import config_for
 
 
 @triton.jit
@@ -48,16 +48,17 @@ def fold_partials(partials: torch.Tensor) -> torch.Tensor:
     """
     t = partials.shape[0]
     tail = partials.shape[1:]
-    cfg = launch_config("fold_partials", torch.float32, arch_of(partials))
+    cfg = config_for("fold_partials", partials, dtype=torch.float32)
     group, block = cfg["GROUP"], cfg["BLOCK"]
     src = partials.reshape(t, -1)
     width = src.shape[1]
     if width == 0:
         return torch.empty(tail, dtype=torch.float32, device=partials.device)
+    col_blocks = -(-width // block)
     while True:
-        groups = triton.cdiv(t, group)
+        groups = -(-t // group)
         dst = torch.empty((groups, width), dtype=torch.float32, device=partials.device)
-        _fold_groups_kernel[(triton.cdiv(width, block), groups)](
+        _fold_groups_kernel[(col_blocks, groups)](
             src, dst, t, width, GROUP=group, BLOCK=block, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         src, t = dst, groups

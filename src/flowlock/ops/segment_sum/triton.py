@@ -15,15 +15,27 @@ import triton.language as tl
 
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import to_f32
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
+
+
+@triton.jit
+def segment_partials(v, segment, out, R, N, col_mask):
+    """Store the tile's per-segment column sums of ``v`` at ``out + r * N`` for every ``r < R``.
+
+    Shared by every kernel that writes segment partials, so they all reduce with the same code.
+    """
+    for r in range(R):
+        # A fixed tl.sum tree over the tile's rows; rows of other segments contribute exact zeros.
+        part = tl.sum(tl.where(segment[:, None] == r, v, 0.0), axis=0)
+        tl.store(out + r * N, part, mask=col_mask)
 
 
 @triton.jit
 def _segment_sum_partials_kernel(
     values_ptr, other_ptr, index_ptr, partials_ptr,
-    M, N, R, period, stride_values, stride_other,
-    HAS_OTHER: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    M, N, R, period, stride_values, stride_other, stride_tile,
+    HAS_OTHER: tl.constexpr, PAIR: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tile = tl.program_id(0)
     rows = tile.to(tl.int64) * TILE_ROWS + tl.arange(0, TILE_ROWS)
@@ -33,19 +45,49 @@ def _segment_sum_partials_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     segment = tl.load(index_ptr + rows % period, mask=row_mask, other=-1)
     v = to_f32(tl.load(values_ptr + rows[:, None] * stride_values + cols[None, :], mask=mask, other=0.0))
+    out = partials_ptr + tile.to(tl.int64) * stride_tile + cols
+    if PAIR:
+        # The plain sums first, then (R * N further on) the sums of the products: one read of the tile.
+        segment_partials(v, segment, out, R, N, col_mask)
+        out = out + R * N
     if HAS_OTHER:
         # Products of bf16/fp16 factors are exact in fp32, so only the sums round.
         v = v * to_f32(tl.load(other_ptr + rows[:, None] * stride_other + cols[None, :], mask=mask, other=0.0))
-    out = partials_ptr + tile.to(tl.int64) * R * N + cols
-    for r in range(R):
-        # A fixed tl.sum tree over the tile's rows; rows of other segments contribute exact zeros.
-        part = tl.sum(tl.where(segment[:, None] == r, v, 0.0), axis=0)
-        tl.store(out + r * N, part, mask=col_mask)
+    segment_partials(v, segment, out, R, N, col_mask)
 
 
 def tile_rows(dtype: torch.dtype, arch: str) -> int:
     """Rows per partial tile (the layout contract): 64 for every dtype and architecture."""
     return launch_config("segment_sum_partials", dtype, arch)["TILE_ROWS"]
+
+
+def num_tiles(values: torch.Tensor) -> int:
+    """Partial tiles (at least one) over the rows of ``(M, N)`` ``values``."""
+    return max(-(-values.shape[0] // config_for("segment_sum_partials", values)["TILE_ROWS"]), 1)
+
+
+def write_segment_partials(partials: torch.Tensor, values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
+                           other: torch.Tensor | None = None, period: int | None = None, pair: bool = False) -> None:
+    """Write the per-tile segment sums of ``values`` (times ``other`` if given) into ``partials``.
+
+    ``partials``: fp32 ``(num_tiles(values), W)`` with unit column stride (a column slice of a wider
+    buffer qualifies, so several reductions over the same tiles share one fold); tile ``t`` writes
+    ``partials[t, r * N + n]``. With ``pair=True`` (``other`` required) one launch writes the plain
+    sums to columns ``[0, R * N)`` and the sums of the products to ``[R * N, 2 * R * N)``, each the
+    same bits as its own launch. Row ``m`` belongs to segment ``index[m % period]`` (``period``
+    defaults to ``M``). Trusted: inputs are not validated.
+    """
+    m, n = values.shape
+    if n == 0 or num_segments == 0:
+        return
+    cfg = config_for("segment_sum_partials", values)
+    o = values if other is None else other
+    _segment_sum_partials_kernel[(max(-(-m // cfg["TILE_ROWS"]), 1), -(-n // cfg["BLOCK_N"]))](
+        values, o, index, partials, m, n, num_segments, max(m if period is None else period, 1), values.stride(0),
+        o.stride(0), partials.stride(0),
+        HAS_OTHER=other is not None, PAIR=pair, TILE_ROWS=cfg["TILE_ROWS"], BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 def segment_sum_partials(values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
@@ -56,20 +98,9 @@ def segment_sum_partials(values: torch.Tensor, index: torch.Tensor, num_segments
     segment ``index[m % period]`` (``period`` defaults to ``M``; pass ``S`` for ``(B*S, N)`` rows
     sharing one ``(S,)`` index). Trusted: inputs are not validated.
     """
-    m, n = values.shape
-    period = m if period is None else period
-    cfg = launch_config("segment_sum_partials", values.dtype, arch_of(values))
-    tiles = max(triton.cdiv(m, cfg["TILE_ROWS"]), 1)
-    partials = torch.empty((tiles, num_segments, n), dtype=torch.float32, device=values.device)
-    if n == 0 or num_segments == 0:
-        return partials
-    o = values if other is None else other
-    grid = (tiles, triton.cdiv(n, cfg["BLOCK_N"]))
-    _segment_sum_partials_kernel[grid](
-        values, o, index, partials, m, n, num_segments, max(period, 1), values.stride(0), o.stride(0),
-        HAS_OTHER=other is not None, TILE_ROWS=cfg["TILE_ROWS"], BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    partials = torch.empty((num_tiles(values), num_segments, values.shape[1]), dtype=torch.float32,
+                           device=values.device)
+    write_segment_partials(partials, values, index, num_segments, other=other, period=period)
     return partials
 
 
