@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.linear.reference import linear_reference
-from flowlock.ops.linear.triton import LinearFunction, tma_alignment_error, uses_tma
+from flowlock.ops.linear.triton import LinearFunction, linear_fwd, lookup, tma_alignment_error
 
 _DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = {torch.bfloat16: (torch.bfloat16, torch.float32), torch.float32: (torch.float32,)}
@@ -64,13 +65,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if out_dtype not in _OUT_DTYPES[x.dtype]:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES[x.dtype]} for {x.dtype} inputs, got {out_dtype}")
 
-    backend = backend_for("linear", x, weight, bias)
-    lead = x.shape[:-1]
-    if backend == "reference":
+    if backend_for("linear", x, weight, bias) == "reference":
         return linear_reference(x, weight, bias, out_dtype)
-    if uses_tma("linear_fwd", weight, x, weight):
+    cfg = lookup("linear_fwd", weight, x, weight)
+    if cfg["TMA"]:
         reason = tma_alignment_error(weight, (x.dtype, out_dtype))
         if reason is not None:
             raise ValueError(f"weight: {reason}")
-    out = LinearFunction.apply(x.reshape(-1, k), weight, bias, out_dtype)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k)
+    if needs_graph(x, weight, bias):
+        out = LinearFunction.apply(x2d, weight, bias, out_dtype, cfg)
+    else:
+        out = linear_fwd(x2d, weight, bias, out_dtype, cfg)
     return out.reshape(*lead, n)

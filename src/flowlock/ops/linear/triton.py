@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flowlock.config import LaunchConfig, launch_config
+from flowlock.config import LaunchConfig
 from flowlock.dispatch import interpreter_active
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum._configs import config_for
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
 # walks several tiles per program in CPU tests.
@@ -245,19 +245,13 @@ def _num_programs(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _soft_bf16(out_dtype: torch.dtype) -> bool:
-    return interpreter_active() and out_dtype == torch.bfloat16
-
-
 def _config_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """Configs are keyed by bf16 only when every operand is bf16; fp32 or mixed use fp32 ones."""
     return torch.bfloat16 if all(t.dtype == torch.bfloat16 for t in tensors) else torch.float32
 
 
-def tma_alignment_error(weight: torch.Tensor, operand_dtypes: tuple[torch.dtype, ...]) -> str | None:
-    """Why the TMA variant cannot serve this weight shape (row strides must be 16-byte multiples),
-    or None. Checked by the API before launch; the launcher copies misaligned activations."""
-    n, k = weight.shape
+@functools.cache
+def _alignment_error(n: int, k: int, operand_dtypes: tuple[torch.dtype, ...]) -> str | None:
     for dt in operand_dtypes:
         per16 = 16 // dt.itemsize
         if n % per16 or k % per16:
@@ -265,9 +259,16 @@ def tma_alignment_error(weight: torch.Tensor, operand_dtypes: tuple[torch.dtype,
     return None
 
 
-def uses_tma(op: str, weight: torch.Tensor, *operands: torch.Tensor) -> bool:
-    """Whether the frozen config for ``op`` on this weight names the TMA variant."""
-    return bool(launch_config(op, _config_dtype(*operands), arch_of(weight), tuple(weight.shape))["TMA"])
+def tma_alignment_error(weight: torch.Tensor, operand_dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """Why the TMA variant cannot serve this weight shape (row strides must be 16-byte multiples),
+    or None. Checked by the API before launch; the launcher copies misaligned activations."""
+    n, k = weight.shape
+    return _alignment_error(n, k, operand_dtypes)
+
+
+def lookup(op: str, weight: torch.Tensor, *operands: torch.Tensor) -> LaunchConfig:
+    """The frozen config of ``op`` for this weight shape and these operands (memoized)."""
+    return config_for(op, weight, tuple(weight.shape), _config_dtype(*operands))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -276,36 +277,40 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
+def _flag(cfg: LaunchConfig, name: str) -> bool:
+    """An optional 0/1 entry of ``cfg`` (absent: 0)."""
+    return any(key == name and value for key, value in cfg.blocks)
+
+
 def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
           cfg: LaunchConfig) -> torch.Tensor:
     """Launch ``c = A @ B (+ bias)`` with A stored as ``a`` (transposed when ``a_t``) and B stored
     as ``b`` (transposed when ``b_t``); all 2-D with unit last stride."""
     i_dim, j_dim = c.shape
     r_dim = a.shape[0] if a_t else a.shape[1]
-    fp32_dot = interpreter_active() or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
-    soft_bf16 = _soft_bf16(c.dtype)
+    interpreted = interpreter_active()
+    fp32_dot = interpreted or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
+    soft_bf16 = interpreted and c.dtype == torch.bfloat16
     bi, bj, br, unit = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["UNIT"]
+    tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
     if cfg["TMA"]:
         a, b = _tma_ready(a), _tma_ready(b)
-        epi_split = bool(cfg["EPI_SPLIT"])
+        epi_split = _flag(cfg, "EPI_SPLIT")
         a_desc = TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br])
         b_desc = TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj])
         c_desc = TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj])
-        tiles = triton.cdiv(i_dim, bi) * triton.cdiv(j_dim, bj)
         programs = _INTERP_PROGRAMS if c.device.type != "cuda" else _num_programs(c.device.index or 0)
         programs = min(programs, tiles)
         _linear_gemm_tma_kernel[(programs,)](
             a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
             A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
-            EPI_SPLIT=epi_split, FLATTEN=bool(dict(cfg.blocks).get("FLATTEN", 0)),
-            FLAT_UNITS=bool(dict(cfg.blocks).get("FLAT_UNITS", 0)),
+            EPI_SPLIT=epi_split, FLATTEN=_flag(cfg, "FLATTEN"), FLAT_UNITS=_flag(cfg, "FLAT_UNITS"),
             BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         s_ai, s_ar = (a.stride(1), a.stride(0)) if a_t else (a.stride(0), a.stride(1))
         s_br, s_bj = (b.stride(1), b.stride(0)) if b_t else (b.stride(0), b.stride(1))
-        grid = (triton.cdiv(i_dim, bi) * triton.cdiv(j_dim, bj),)
-        _linear_gemm_kernel[grid](
+        _linear_gemm_kernel[(tiles,)](
             a, b, bias if bias is not None else c, c, i_dim, j_dim, r_dim,
             s_ai, s_ar, s_br, s_bj, c.stride(0), c.stride(1),
             HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
@@ -314,19 +319,15 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
     return c
 
 
-def _lookup(op: str, weight: torch.Tensor, *operands: torch.Tensor) -> LaunchConfig:
-    return launch_config(op, _config_dtype(*operands), arch_of(weight), tuple(weight.shape))
-
-
 def linear_fwd(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                config: LaunchConfig | None = None) -> torch.Tensor:
     """``x2d (M, K) @ weight (N, K).T + bias`` -> ``(M, N)`` in ``out_dtype``. Trusted inputs.
-    ``config`` overrides the frozen config (tests only)."""
+    ``config``: the frozen config the API already looked up, or a test's override; None looks it up."""
     m, n = x2d.shape[0], weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
     if m == 0:
         return out
-    cfg = config or _lookup("linear_fwd", weight, x2d, weight)
+    cfg = config or lookup("linear_fwd", weight, x2d, weight)
     return _gemm(x2d, False, weight, True, out, bias, cfg)
 
 
@@ -337,7 +338,7 @@ def linear_dx(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
     out = torch.empty((m, k), dtype=out_dtype, device=dy.device)
     if m == 0:
         return out
-    cfg = config or _lookup("linear_dx", weight, dy, weight)
+    cfg = config or lookup("linear_dx", weight, dy, weight)
     return _gemm(dy, False, weight, False, out, None, cfg)
 
 
@@ -349,7 +350,7 @@ def linear_dw(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, out_dty
     if dy.shape[0] == 0:
         return torch.zeros((n, k), dtype=out_dtype, device=dy.device)
     out = torch.empty((n, k), dtype=out_dtype, device=dy.device)
-    cfg = config or _lookup("linear_dw", weight, dy, x2d)
+    cfg = config or lookup("linear_dw", weight, dy, x2d)
     return _gemm(dy, True, x2d, False, out, None, cfg)
 
 
@@ -360,9 +361,9 @@ def linear_dbias(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
     if m == 0:
         return torch.zeros((n,), dtype=out_dtype, device=dy.device)
     out = torch.empty((n,), dtype=out_dtype, device=dy.device)
-    cfg = config or _lookup("linear_dbias", weight, dy)
-    _linear_dbias_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        dy, out, m, n, dy.stride(0), UNIT=cfg["UNIT"], SOFT_BF16=_soft_bf16(out_dtype),
+    cfg = config or lookup("linear_dbias", weight, dy)
+    _linear_dbias_kernel[(-(-n // cfg["BLOCK_N"]),)](
+        dy, out, m, n, dy.stride(0), UNIT=cfg["UNIT"], SOFT_BF16=interpreter_active() and out_dtype == torch.bfloat16,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], num_warps=cfg.num_warps)
     return out
 
@@ -371,11 +372,10 @@ class LinearFunction(torch.autograd.Function):
     """Autograd node over 2-D operands: forward, dX, dW and dBias all via the kernels above."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, out_dtype):
+    def forward(ctx, x2d, weight, bias, out_dtype, config):
         ctx.save_for_backward(x2d, weight)
-        ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return linear_fwd(x2d, weight, bias, out_dtype)
+        return linear_fwd(x2d, weight, bias, out_dtype, config)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -387,6 +387,6 @@ class LinearFunction(torch.autograd.Function):
             dx = linear_dx(dy, weight, x2d.dtype)
         if ctx.needs_input_grad[1]:
             dw = linear_dw(dy, x2d, weight, weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = linear_dbias(dy, weight, ctx.bias_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None

@@ -7,9 +7,10 @@ import math
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.qk_norm_rope.reference import qk_norm_rope_reference
-from flowlock.ops.qk_norm_rope.triton import QkNormRopeFunction
+from flowlock.ops.qk_norm_rope.triton import QkNormRopeFunction, qk_norm_rope_fwd
 
 
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -32,7 +33,8 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     check_tensor("weight", weight, dtypes=(x.dtype,), shape=(d,), device=x.device)
     check_tensor("cos", cos, dtypes=(torch.float32,), ndim=2, device=x.device)
     r = cos.shape[1]
-    check_tensor("cos", cos, shape=(s, r))
+    if cos.shape[0] != s:
+        raise ValueError(f"cos must have shape ({s}, {r}), got {tuple(cos.shape)}")
     check_tensor("sin", sin, dtypes=(torch.float32,), shape=(s, r), device=x.device)
     if r < 2 or r % 2 or r > d:
         raise ValueError(f"cos/sin rotary width must be even and in [2, {d}], got {r}")
@@ -41,6 +43,8 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
             raise ValueError(f"{name} must be contiguous")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-    if backend_for("qk_norm_rope", x, weight, cos, sin) == "triton":
+    if backend_for("qk_norm_rope", x, weight, cos, sin) == "reference":
+        return qk_norm_rope_reference(x, weight, cos, sin, float(eps))
+    if needs_graph(x, weight):
         return QkNormRopeFunction.apply(x, weight, cos, sin, float(eps))
-    return qk_norm_rope_reference(x, weight, cos, sin, float(eps))
+    return qk_norm_rope_fwd(x, weight, cos, sin, float(eps))

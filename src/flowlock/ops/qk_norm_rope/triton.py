@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
 
 
@@ -87,6 +86,12 @@ def _qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_p
     tl.store(dw_part_ptr + tile.to(tl.int64) * D + j, dw, mask=mask)
 
 
+def _block_d(d: int) -> int:
+    """A head in one block: the next power of two ``>= d`` (``triton.next_power_of_2`` without its
+    constexpr-call overhead on the host)."""
+    return 1 << max(d - 1, 0).bit_length()
+
+
 def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      eps: float) -> torch.Tensor:
     """Trusted launcher: contiguous bf16 ``(B, S, heads, D)``, bf16 ``(D,)``, fp32 ``(S, R)`` -> like x."""
@@ -95,9 +100,9 @@ def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     rows = b * s * heads
     if rows == 0:
         return out
-    cfg = launch_config("qk_norm_rope_fwd", x.dtype, arch_of(x))
+    cfg = config_for("qk_norm_rope_fwd", x)
     _qk_norm_rope_fwd_kernel[(rows,)](x, weight, cos, sin, out, s, heads, d, cos.shape[1], float(eps),
-                                      BLOCK_D=triton.next_power_of_2(d), num_warps=cfg.num_warps,
+                                      BLOCK_D=_block_d(d), num_warps=cfg.num_warps,
                                       num_stages=cfg.num_stages)
     return out
 
@@ -109,15 +114,15 @@ def qk_norm_rope_bwd(x, weight, cos, sin, eps, grad) -> tuple[torch.Tensor, torc
     b, s, heads, d = x.shape
     rows = b * s * heads
     dx = torch.empty_like(x)
-    cfg = launch_config("qk_norm_rope_bwd", x.dtype, arch_of(x))
+    cfg = config_for("qk_norm_rope_bwd", x)
     tile_rows = cfg["TILE_ROWS"]
-    tiles = triton.cdiv(rows, tile_rows)
+    tiles = -(-rows // tile_rows)
     if tiles == 0:
         return dx, torch.zeros_like(weight)
     partials = torch.empty((tiles, d), dtype=torch.float32, device=x.device)
     _qk_norm_rope_bwd_kernel[(tiles,)](x, weight, cos, sin, grad, dx, partials, rows, s, heads, d,
                                        cos.shape[1], float(eps), TILE_ROWS=tile_rows,
-                                       BLOCK_D=triton.next_power_of_2(d), num_warps=cfg.num_warps,
+                                       BLOCK_D=_block_d(d), num_warps=cfg.num_warps,
                                        num_stages=cfg.num_stages)
     return dx, fold_partials(partials).to(weight.dtype)
 

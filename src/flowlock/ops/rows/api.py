@@ -13,9 +13,18 @@ from collections.abc import Sequence
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.rows.reference import gather_rows_reference, scatter_rows_reference
-from flowlock.ops.rows.triton import GatherRowsFunction, ScatterRowsFunction
+from flowlock.ops.rows.triton import (
+    GatherRowsFunction,
+    ScatterRowsFunction,
+    _gather_rows_op,
+    _scatter_rows_op,
+    gather_rows_fwd,
+    scatter_rows_fwd,
+)
 
 
 def _check_rows_tensor(name: str, t: object) -> torch.Tensor:
@@ -48,9 +57,11 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, *, check_indices: bool = T
     check_index("index", index, length=None, upper=x.shape[1], device=x.device, check_range=check_indices)
     if check_indices:
         _check_unique("index", index)
-    if backend_for("gather_rows", x, index) == "triton":
+    if backend_for("gather_rows", x, index) == "reference":
+        return gather_rows_reference(x, index)
+    if needs_graph(x):
         return GatherRowsFunction.apply(x, index)
-    return gather_rows_reference(x, index)
+    return (_gather_rows_op if traced() else gather_rows_fwd)(x, index)
 
 
 def scatter_rows(parts: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], seq_len: int, *,
@@ -89,6 +100,9 @@ def scatter_rows(parts: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
                     check_range=check_indices)
     if check_indices:
         _check_unique("indices (all parts together)", torch.cat([i.long() for i in indices]))
-    if backend_for("scatter_rows", *parts, *indices) == "triton":
+    if backend_for("scatter_rows", *parts, *indices) == "reference":
+        return scatter_rows_reference(list(parts), list(indices), seq_len)
+    if needs_graph(*parts):
         return ScatterRowsFunction.apply(seq_len, len(parts), *parts, *indices)
-    return scatter_rows_reference(list(parts), list(indices), seq_len)
+    # The same launcher (or, while tracing, the same custom op) ScatterRowsFunction.forward calls.
+    return (_scatter_rows_op if traced() else scatter_rows_fwd)(list(parts), list(indices), seq_len)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.swiglu.reference import swiglu_reference
-from flowlock.ops.swiglu.triton import SwigluFunction
+from flowlock.ops.swiglu.triton import SwigluFunction, swiglu_fwd
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -25,6 +26,8 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"h must have an even, non-zero last dimension, got shape {tuple(h.shape)}")
     if not h.is_contiguous():
         raise ValueError("h must be contiguous")
-    if backend_for("swiglu", h) == "triton":
+    if backend_for("swiglu", h) == "reference":
+        return swiglu_reference(h)
+    if needs_graph(h):
         return SwigluFunction.apply(h)
-    return swiglu_reference(h)
+    return swiglu_fwd(h)

@@ -13,10 +13,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from flowlock.config import launch_config
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
-from flowlock.ops._triton_utils import arch_of
+from flowlock.ops.segment_sum._configs import config_for
 
 
 @triton.jit
@@ -64,9 +63,9 @@ def _swiglu_bwd_kernel(h_ptr, g_ptr, dh_ptr, F, BLOCK: tl.constexpr, INTERPRET: 
 def _launch(kernel, h, *tensors):
     f = h.shape[-1] // 2
     rows = h.numel() // h.shape[-1]
-    cfg = launch_config("swiglu", h.dtype, arch_of(h))
+    cfg = config_for("swiglu", h)
     if rows and f:
-        kernel[(rows, triton.cdiv(f, cfg["BLOCK"]))](h, *tensors, f, BLOCK=cfg["BLOCK"],
+        kernel[(rows, -(-f // cfg["BLOCK"]))](h, *tensors, f, BLOCK=cfg["BLOCK"],
                                                      INTERPRET=interpreter_active(), num_warps=cfg.num_warps,
                                                      num_stages=cfg.num_stages, enable_reflect_ftz=False)
 
