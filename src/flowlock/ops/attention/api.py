@@ -48,7 +48,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     so outputs are bitwise batch-invariant and row-pure; no atomics, so ``dq``, ``dk``, ``dv`` are
     bitwise repeatable and batch-invariant too. Extra memory O(B * heads * S). The CPU backend is
     the PyTorch reference (same rounding points, not bitwise equal to the kernel). Every check
-    below runs before any launch.
+    below runs before any launch. A call that records no autograd node (grad mode off, or no input
+    requiring grad) launches the forward directly: the same kernel, so the same bits. On Hopper the
+    kernels read q, k, v through TMA descriptors when their layout allows (see
+    ``flowlock.ops.attention.triton.tma_eligible``), through pointers otherwise: same bits.
     """
     check_tensor("q", q, dtypes=DTYPES, ndim=4)
     shape, device = q.shape, q.device
