@@ -198,21 +198,37 @@ def sweep_order() -> list[tuple[str, tuple[int, ...]]]:
     return [(kernel, cands[i]) for i in range(depth) for kernel, cands in SWEEP_CANDIDATES.items() if i < len(cands)]
 
 
-class SweepCase:
-    """Inputs at one sequence length, the frozen configs' outputs, and a call per (kernel, candidate):
-    the forward, or the whole backward with one kernel's config replaced (the others frozen)."""
+def frozen_config(op: str, dim: int, tma: int):
+    """The frozen config of ``op`` on this GPU with its ``TMA`` key set to ``tma``."""
+    from flowlock.config import LaunchConfig, launch_config
+    from flowlock.ops._triton_utils import device_arch
 
-    def __init__(self, seq: int, heads: int, dim: int, frozen_backward: bool = True):
+    cfg = launch_config(op, torch.bfloat16, device_arch(torch.cuda.current_device()), (dim,))
+    return LaunchConfig(tuple((k, tma if k == "TMA" else v) for k, v in cfg.blocks), cfg.num_warps, cfg.num_stages)
+
+
+class SweepCase:
+    """Inputs at one sequence length, the frozen tiles' outputs, and a call per (kernel, candidate):
+    the forward, or the whole backward with one kernel's config replaced and the other kernel on its
+    frozen tiles with the candidate's loads (TMA or pointer), so a failing variant cannot spoil the
+    other's rows. References and ``out``/``lse2`` come from the pointer kernels (the TMA kernels give
+    the same bits, tests/ops/test_attention_gpu.py)."""
+
+    def __init__(self, seq: int, heads: int, dim: int, reference_backward: bool = True):
         from flowlock.ops.attention.triton import attention_bwd, attention_fwd
 
         self.q, self.k, self.v, self.do = inputs(1, seq, heads, dim, seed=seq, grad=False)
-        self.scale = dim ** -0.5
+        self.scale, self.dim = dim ** -0.5, dim
         self._fwd, self._bwd = attention_fwd, attention_bwd
-        self.out, self.lse2 = attention_fwd(self.q, self.k, self.v, self.scale)
-        self.frozen = {"fwd": (self.out, self.lse2)}
-        if frozen_backward:
-            self.frozen["bwd"] = attention_bwd(self.do, self.q, self.k, self.v, self.out, self.lse2, self.scale)
+        self.out, self.lse2 = attention_fwd(self.q, self.k, self.v, self.scale, frozen_config("attention_fwd", dim, 0))
+        self.reference = {"fwd": (self.out, self.lse2)}
+        if reference_backward:
+            self.reference["bwd"] = self.backward(frozen_config("attention_bwd_dkdv", dim, 0),
+                                                  frozen_config("attention_bwd_dq", dim, 0))
         self.flops = 4.0 * seq * seq * dim * heads
+
+    def backward(self, dkdv_config, dq_config):
+        return self._bwd(self.do, self.q, self.k, self.v, self.out, self.lse2, self.scale, dkdv_config, dq_config)
 
     def call(self, kernel: str, cand: tuple[int, ...]):
         from flowlock.config import LaunchConfig
@@ -221,19 +237,20 @@ class SweepCase:
         cfg = LaunchConfig((("BLOCK_M", bm), ("BLOCK_N", bn), ("TMA", tma)), num_warps=warps, num_stages=stages)
         if kernel == "fwd":
             return lambda: self._fwd(self.q, self.k, self.v, self.scale, cfg)
-        key = "dkdv_config" if kernel == "dkdv" else "dq_config"
-        return lambda: self._bwd(self.do, self.q, self.k, self.v, self.out, self.lse2, self.scale, **{key: cfg})
+        dkdv = cfg if kernel == "dkdv" else frozen_config("attention_bwd_dkdv", self.dim, tma)
+        dq = cfg if kernel == "dq" else frozen_config("attention_bwd_dq", self.dim, tma)
+        return lambda: self.backward(dkdv, dq)
 
-    def same_bits_as_frozen(self, kernel: str, outs) -> bool:
-        """Whether a candidate's outputs equal the frozen configs' bit for bit (a candidate whose fold
+    def same_bits_as_frozen_tiles(self, kernel: str, outs) -> bool:
+        """Whether a candidate's outputs equal the frozen tiles' bit for bit (a candidate whose fold
         block differs from the frozen one may change them)."""
-        return bitwise(outs, self.frozen["fwd" if kernel == "fwd" else "bwd"])
+        return bitwise(outs, self.reference["fwd" if kernel == "fwd" else "bwd"])
 
 
 def _precompile(args) -> list[str]:
     """Worker: run each candidate once (compiling it into Triton's on-disk cache); errors as text."""
     seq, heads, dim, cands = args
-    case = SweepCase(seq, heads, dim, frozen_backward=False)
+    case = SweepCase(seq, heads, dim, reference_backward=False)
     errors = []
     for kernel, cand in cands:
         try:
@@ -288,7 +305,7 @@ def sweep(seq: int, heads: int, dim: int, windows: int, calls: int, budget_s: fl
         work = case.flops if kernel == "fwd" else 2.5 * case.flops
         try:
             call = case.call(kernel, cand)
-            row["same_bits_as_frozen"] = case.same_bits_as_frozen(kernel, call())
+            row["same_bits_as_frozen_tiles"] = case.same_bits_as_frozen_tiles(kernel, call())
             ms = statistics.median(window_ms(call, calls) for _ in range(windows))
             row.update(ms=ms, tflops=work / ms / 1e9)
         except Exception as exc:  # a config that does not fit the SM is recorded, not fatal
