@@ -18,14 +18,13 @@ def check_projection(temb: object, weight: object, bias: object, outputs_per_h: 
     """
     temb = check_tensor("temb", temb, dtypes=(torch.float32,), ndim=2)
     device = temb.device
-    weight = check_tensor("weight", weight, dtypes=(torch.bfloat16,), ndim=2, device=device)
     t, e = temb.shape
     if t < 1 or e < 1:
         raise ValueError(f"temb must have at least one row and one column, got shape {tuple(temb.shape)}")
+    weight = check_tensor("weight", weight, dtypes=(torch.bfloat16,), shape=(None, e), device=device)
     n = weight.shape[0]
     if n == 0 or n % outputs_per_h:
         raise ValueError(f"weight must have {outputs_per_h}*H rows (H >= 1), got {n}")
-    check_tensor("weight", weight, shape=(n, e))
     check_tensor("bias", bias, dtypes=(torch.bfloat16,), shape=(n,), device=device)
     for name, x in (("temb", temb), ("weight", weight), ("bias", bias)):
         if not x.is_contiguous():
