@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flowlock
-from flowlock.config import LaunchConfig
+from flowlock.config import LaunchConfig, launch_config
 from flowlock.ops.attention import api as attention_api
 from flowlock.ops.attention import attention
 from flowlock.ops.attention import triton as attention_triton
@@ -134,3 +134,10 @@ def test_no_graph_call_launches_directly_with_the_same_bits(monkeypatch):
             no_grad = attention(*leaves)
     assert plain.grad_fn is None and no_grad.grad_fn is None
     assert_bitwise_equal((plain, no_grad), (graphed.detach(), graphed.detach()), "no-graph path")
+
+
+def test_frozen_configs_pick_pointer_loads_on_the_interpreter_and_tma_on_sm90():
+    for op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
+        for d in (32, 64, 128):
+            assert launch_config(op, torch.bfloat16, "interp", (d,))["TMA"] == 0
+            assert launch_config(op, torch.bfloat16, "sm90", (d,))["TMA"] == 1

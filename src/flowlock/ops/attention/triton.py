@@ -404,7 +404,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @torch.library.custom_op("flowlock::attention_fwd", mutates_args=())
 def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
     return attention_fwd(q, k, v, scale)
 
