@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
@@ -21,6 +22,7 @@ from flowlock.ops.segment_sum.triton import segment_partials
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+@fast_launch
 @triton.jit
 def _gate_residual_kernel(
     residual_ptr, y_ptr, gate_ptr, index_ptr, out_ptr, M, H, S, stride_gate,
@@ -39,6 +41,7 @@ def _gate_residual_kernel(
     tl.store(out_ptr + offs, from_f32(out, DTYPE), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _gate_residual_bwd_kernel(
     g_ptr, y_ptr, gate_ptr, index_ptr, dy_ptr, partials_ptr, M, H, R, S, stride_gate,

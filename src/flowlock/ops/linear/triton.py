@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig
 from flowlock.dispatch import interpreter_active
+from flowlock.ops._launch import fast_launch
 from flowlock.ops.segment_sum._configs import config_for
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
@@ -100,6 +101,7 @@ def _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, lo, hi, stride_ai, stride
     return acc
 
 
+@fast_launch
 @triton.jit
 def _linear_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, I, J, R,
                         stride_ai, stride_ar, stride_br, stride_bj, stride_ci, stride_cj,
@@ -172,6 +174,7 @@ def _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T: tl.constexpr, B_T: 
     return acc
 
 
+@fast_launch
 @triton.jit
 def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
                             A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -220,6 +223,7 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
             c_desc.store([oi, oj], c)
 
 
+@fast_launch
 @triton.jit
 def _linear_dbias_kernel(dy_ptr, db_ptr, M, N, stride_m, UNIT: tl.constexpr, SOFT_BF16: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):

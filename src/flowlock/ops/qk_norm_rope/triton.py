@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
 
@@ -25,6 +26,7 @@ def _inv_rms(x, mask, D, eps):
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, D * 1.0) + eps))
 
 
+@fast_launch
 @triton.jit
 def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, S, HEADS, D, R, eps,
                              BLOCK_D: tl.constexpr):
@@ -51,6 +53,7 @@ def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, S, HEADS, 
     tl.store(out_ptr + row * D + j, from_f32(out, tl.bfloat16), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_part_ptr, ROWS, S, HEADS, D, R,
                              eps, TILE_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
@@ -34,6 +35,7 @@ def _modulation(n, shift_ptr, scale_ptr, index_ptr, rows, row_mask, S, stride_sh
     return round_f32(product + shift, DTYPE)
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, shift_ptr, scale_ptr, index_ptr, y_ptr, rstd_ptr,
@@ -59,6 +61,7 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, dx_ptr, normed_ptr, dw_partials_ptr,

@@ -12,11 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import launch_config
-from flowlock.ops._triton_utils import arch_of, traced
+from flowlock.ops._launch import fast_launch
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import memoized_over
+from flowlock.ops.segment_sum._configs import config_for
 
 
+@fast_launch
 @triton.jit
 def _gather_rows_fwd_kernel(x_ptr, index_ptr, out_ptr, N, H, stride_xb, stride_xs, stride_ob, stride_on,
                             BLOCK_H: tl.constexpr):
@@ -30,6 +32,7 @@ def _gather_rows_fwd_kernel(x_ptr, index_ptr, out_ptr, N, H, stride_xb, stride_x
     tl.store(out_ptr + b * stride_ob + n * stride_on + cols, vals, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _scatter_rows_fwd_kernel(part_ptr, owner_ptr, local_ptr, out_ptr, S, H, PART, stride_pb, stride_pn,
                              stride_ob, stride_os, WRITE_ZEROS: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -56,9 +59,9 @@ def gather_rows_fwd(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty((batch, n, hidden), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    cfg = launch_config("rows", x.dtype, arch_of(x))
+    cfg = config_for("rows", x)
     block_h = cfg["BLOCK_H"]
-    grid = (batch * n, triton.cdiv(hidden, block_h))
+    grid = (batch * n, -(-hidden // block_h))
     _gather_rows_fwd_kernel[grid](x, index, out, n, hidden, x.stride(0), x.stride(1), out.stride(0),
                                   out.stride(1), BLOCK_H=block_h, num_warps=cfg.num_warps)
     return out
@@ -91,10 +94,10 @@ def scatter_rows_fwd(parts: list[torch.Tensor], indices: list[torch.Tensor], seq
     out = torch.empty((batch, seq_len, hidden), dtype=first.dtype, device=first.device)
     if out.numel() == 0:
         return out
-    cfg = launch_config("rows", first.dtype, arch_of(first))
+    cfg = config_for("rows", first)
     block_h = cfg["BLOCK_H"]
     owner, local = _owner_maps(indices, seq_len, first.device)
-    grid = (batch * seq_len, triton.cdiv(hidden, block_h))
+    grid = (batch * seq_len, -(-hidden // block_h))
     for p, part in enumerate(parts):
         # Launch 0 also writes the zero rows; later launches only their own rows.
         _scatter_rows_fwd_kernel[grid](part, owner, local, out, seq_len, hidden, p, part.stride(0),

@@ -16,9 +16,11 @@ import triton
 import triton.language as tl
 
 from flowlock.config import launch_config
+from flowlock.ops._launch import fast_launch
 from flowlock.ops.segment_sum._configs import config_for
 
 
+@fast_launch
 @triton.jit
 def _fold_groups_kernel(src_ptr, dst_ptr, T, L, GROUP: tl.constexpr, BLOCK: tl.constexpr):
     # Column blocks on axis 0 (limit 2^31 - 1), groups on axis 1 (limit 65535 = 65535 * GROUP tiles).

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
 
@@ -31,6 +32,7 @@ def segment_partials(v, segment, out, R, N, col_mask):
         tl.store(out + r * N, part, mask=col_mask)
 
 
+@fast_launch
 @triton.jit
 def _segment_sum_partials_kernel(
     values_ptr, other_ptr, index_ptr, partials_ptr,

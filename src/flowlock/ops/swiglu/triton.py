@@ -15,6 +15,7 @@ from triton.language.extra.cuda import libdevice
 
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops.segment_sum._configs import config_for
 
 
@@ -28,6 +29,7 @@ def _sigmoid_parts(gate, INTERPRET: tl.constexpr):
     return 1.0 + e
 
 
+@fast_launch
 @triton.jit
 def _swiglu_fwd_kernel(h_ptr, out_ptr, F, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -41,6 +43,7 @@ def _swiglu_fwd_kernel(h_ptr, out_ptr, F, BLOCK: tl.constexpr, INTERPRET: tl.con
     tl.store(out_ptr + row * F + cols, from_f32(out, tl.bfloat16), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _swiglu_bwd_kernel(h_ptr, g_ptr, dh_ptr, F, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
