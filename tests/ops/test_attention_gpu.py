@@ -79,4 +79,4 @@ def test_public_call_no_graph_equals_graphed():
     assert plain.grad_fn is None
     assert_bitwise_equal(plain, graphed.detach(), "no-graph vs graphed forward")
     grads = torch.autograd.grad(graphed, leaves, do)
-    assert_bitwise_equal(grads, _run(q, k, v, do, *_configs(True))[2:], "public backward vs TMA launchers")
+    assert_bitwise_equal(grads, _run(q, k, v, do, None, None, None)[2:], "public backward vs the launchers")
