@@ -261,20 +261,23 @@ def _precompile(args) -> list[str]:
     return errors
 
 
-def precompile(seq: int, heads: int, dim: int, jobs: int) -> float:
+def precompile(seq: int, heads: int, dim: int, jobs: int, timeout_s: float = 90.0) -> float:
     """Compile every candidate in ``jobs`` worker processes (Triton compiles serially within one
-    process); the timing pass then loads them from the cache. Returns the seconds spent."""
+    process); the timing pass then loads them from the cache. Workers still busy after
+    ``timeout_s`` are left to finish on their own. Returns the seconds spent."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.time()
     order = sweep_order()
     shares = [(seq, heads, dim, order[i::jobs]) for i in range(jobs)]
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
     try:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_precompile, shares))
+        list(pool.map(_precompile, shares, timeout=timeout_s))
     except Exception as exc:  # the timing pass compiles whatever the workers did not
-        print(f"precompile failed: {exc!r}", flush=True)
+        print(f"precompile incomplete: {exc!r}", flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return time.time() - t0
 
 
