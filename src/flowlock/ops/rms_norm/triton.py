@@ -5,7 +5,8 @@ fixed ``tl.sum`` tree over H, at PyTorch's rounding points (see ``reference.py``
 program per fixed 64-row tile walks its rows in ascending chunks, writes each row's dx (row-pure)
 and sums the rows' dweight terms in a fixed order into a tile partial; the
 partials are folded by the shared fixed-order multi-level ``fold_partials``. The modulation's
-table gradients are segment sums over all ``(batch x S)`` rows, also through ``segment_sum``.
+table gradients are segment sums over all ``(batch x S)`` rows over the same tiles (one paired
+``segment_sum`` partials launch), whose partials sit beside dweight's so one fold reduces all three.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def _rms_norm_modulate_bwd_packed(dy: torch.Tensor, x: torch.Tensor, weight: tor
                                   shift: torch.Tensor, scale: torch.Tensor, index: torch.Tensor
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, [dweight | dshift | dscale] (H + 2 R H,) fp32)``: the folded gradients in one buffer, so
-    the custom op returns no aliasing views; :func:`_unpack` splits and rounds them."""
+    the custom op returns no aliasing views; :func:`_unpack` splits them."""
     return _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
 
 
