@@ -8,13 +8,15 @@ warm-up. TFLOP/s use 4*S^2*D*heads for the forward and 2.5x that for the backwar
 measures the host time of one public call and the amortized forward. ``--sweep S[,S]`` also times
 candidate launch configs (tiles, warps, stages, TMA or pointer loads) at those sequence lengths,
 compiling them first in worker processes and writing each result as it lands; ``--sections``
-picks the sections to run.
+picks the sections to run. ``--compile-check`` needs no GPU: it compiles the candidates for sm90 on
+this machine and reports shared memory, registers and spills.
 
 By default the CPU test gate (``tests/ops/test_attention.py`` under the interpreter) runs first
 and a red gate refuses the benchmark; ``--skip-gate`` skips it.
 
     PYTHONPATH=src python benchmarks/bench_attention.py --out results/attn.json
     python benchmarks/bench_attention.py --skip-gate --sections host --sweep-seq 16384 --out sweep.json
+    TRITON_INTERPRET=0 python benchmarks/bench_attention.py --compile-check --out sm90_compile.json
 """
 
 from __future__ import annotations
@@ -340,6 +342,66 @@ def host_overhead(attention, seq: int, heads: int, dim: int, calls: int = 50) ->
     return res
 
 
+def _ptxas_number(log: str, pattern: str) -> int | None:
+    import re
+
+    found = re.search(pattern, log)
+    return int(found.group(1)) if found else None
+
+
+def compile_check(dim: int, capability: int = 90) -> list[dict]:
+    """Compile every sweep candidate for an sm90 GPU on this machine, no GPU needed (Triton's bundled
+    ptxas): shared memory per program and registers and spills per thread, which decide whether a
+    candidate fits (an sm90 program may use 227 KB). Needs ``TRITON_INTERPRET`` unset."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from flowlock.ops.attention import triton as kernels
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    fns = {"fwd": kernels._attention_fwd_kernel, "dkdv": kernels._attention_bwd_dkdv_kernel,
+           "dq": kernels._attention_bwd_dq_kernel}
+    rows = []
+    for kernel, (bm, bn, warps, stages, tma) in sweep_order():
+        fn = fns[kernel].kernel
+        boxes = {"Q": bm, "dOut": bm, "K": bn, "V": bn}
+        sig, hints = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in boxes and tma:
+                sig[name] = f"tensordesc<bf16[1,{boxes[name]},{dim}]>"
+            elif name in ("Lse2", "Delta"):
+                sig[name] = "*fp32"
+            elif name in ("Q", "K", "V", "Out", "dOut", "dK", "dV", "dQ"):
+                sig[name] = "*bf16"
+            elif name in ("qk_scale", "sm_scale"):
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+            if sig[name].startswith("*") or name.startswith("stride"):
+                hints[(i,)] = [["tt.divisibility", 16]]
+        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": dim, "UPCAST": False, "TMA": bool(tma)}
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        row = {"kernel": kernel, "cfg": [bm, bn, warps, stages], "tma": bool(tma)}
+        try:
+            compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, hints),
+                                      target=GPUTarget("cuda", capability, 128),
+                                      options={"num_warps": warps, "num_stages": stages})
+            with tempfile.TemporaryDirectory() as tmp:
+                src = Path(tmp) / "k.ptx"
+                src.write_text(compiled.asm["ptx"])
+                log = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{capability}a", str(src), "-o",
+                                      str(Path(tmp) / "k.o")], capture_output=True, text=True).stderr
+            row.update(shared_bytes=compiled.metadata.shared, registers=_ptxas_number(log, r"Used (\d+) registers"),
+                       spill_store_bytes=_ptxas_number(log, r"(\d+) bytes spill stores"))
+        except Exception as exc:  # recorded: a candidate the compiler refuses
+            row["error"] = repr(exc)[:300]
+        rows.append(row)
+        print("compile", json.dumps(row), flush=True)
+    return rows
+
+
 SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings")
 
 
@@ -359,8 +421,13 @@ def main() -> None:
     parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
     parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "sweep"),
                         help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
+    parser.add_argument("--compile-check", action="store_true",
+                        help="only compile the sweep candidates for sm90 offline (no GPU) and report their resources")
     parser.add_argument("--commit", default=os.environ.get("FLOWLOCK_COMMIT", ""))
     args = parser.parse_args()
+    if args.compile_check:
+        Path(args.out).write_text(json.dumps({"compile_check_sm90": compile_check(args.dim)}, indent=1))
+        return
     wanted = set(args.sections.split(",")) | ({"sweep"} if args.sweep else set())
     if wanted - set(SECTIONS):
         parser.error(f"unknown sections {sorted(wanted - set(SECTIONS))}")
