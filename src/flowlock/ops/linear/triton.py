@@ -251,7 +251,10 @@ def _num_programs(device_index: int) -> int:
 
 def _config_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """Configs are keyed by bf16 only when every operand is bf16; fp32 or mixed use fp32 ones."""
-    return torch.bfloat16 if all(t.dtype == torch.bfloat16 for t in tensors) else torch.float32
+    for t in tensors:
+        if t.dtype != torch.bfloat16:
+            return torch.float32
+    return torch.bfloat16
 
 
 @functools.cache
@@ -281,9 +284,11 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
-def _flag(cfg: LaunchConfig, name: str) -> bool:
-    """An optional 0/1 entry of ``cfg`` (absent: 0)."""
-    return any(key == name and value for key, value in cfg.blocks)
+@functools.cache
+def _tma_flags(cfg: LaunchConfig) -> tuple[bool, bool, bool]:
+    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS)`` of a TMA config, each optional (absent: off)."""
+    blocks = dict(cfg.blocks)
+    return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS"))
 
 
 def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
@@ -299,7 +304,7 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
     if cfg["TMA"]:
         a, b = _tma_ready(a), _tma_ready(b)
-        epi_split = _flag(cfg, "EPI_SPLIT")
+        epi_split, flatten, flat_units = _tma_flags(cfg)
         a_desc = TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br])
         b_desc = TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj])
         c_desc = TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj])
@@ -308,7 +313,7 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
         _linear_gemm_tma_kernel[(programs,)](
             a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
             A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
-            EPI_SPLIT=epi_split, FLATTEN=_flag(cfg, "FLATTEN"), FLAT_UNITS=_flag(cfg, "FLAT_UNITS"),
+            EPI_SPLIT=epi_split, FLATTEN=flatten, FLAT_UNITS=flat_units,
             BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
