@@ -78,15 +78,15 @@ for _dt in ("fp32", "bf16", "fp16"):
     register("euler_step", _dt, "any", _cfg(4, BLOCK=256, note="interpreter-sized"))
     register("euler_step", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
 register("timestep_sinusoid", "fp32", "any", _cfg(4, note="one timestep row of 256 channels per program"))
-register("timestep_mlp", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, FOLD_N=16,
-                                             note="interpreter-sized; K = 256 crosses eight slices"))
-register("timestep_mlp", "fp32", "sm90", _cfg(4, BLOCK_N=8, BLOCK_K=512, FOLD_N=256,
-                                              note="by design: an 8x512 W tile (16 KB) per program read once, "
-                                                   "336 x 11 = 3696 programs for the 2688x5376 layer"))
-register("timestep_mlp_t", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=16, FOLD_N=16, note="interpreter-sized"))
-register("timestep_mlp_t", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_K=64, FOLD_N=256,
-                                                note="by design: transposed W reads, 256 contiguous bytes per "
-                                                     "K row; 84 x 42 = 3528 programs for d act"))
+register("timestep_mlp", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=16, BLOCK_K=64,
+                                             note="interpreter-sized; K = 256 crosses four slices"))
+register("timestep_mlp", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=8, BLOCK_K=512,
+                                              note="by design: an 8x512 W tile (16 KB) per K step, each program "
+                                                   "walks all of K; 336 programs for the 2688x5376 layer"))
+register("timestep_mlp_t", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
+register("timestep_mlp_t", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=16, BLOCK_K=128,
+                                                note="by design: transposed W reads, 64 contiguous bytes per K "
+                                                     "row, each program walks all of K; 336 programs for d act"))
 register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
 register("timestep_mlp_wgrad", "fp32", "sm90",
          _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))

@@ -203,7 +203,7 @@ def test_repeatability_harness_catches_a_shuffled_row_fold():
 
 def test_mlp_single_slice_epilogues_within_budget_and_rows_pure():
     """K = 20 and E = 13 fit one K slice of the interpreter tiles, so linear_1 (bias + SiLU) and d act
-    (SiLU backward) run their epilogue inside the GEMV kernel rather than after a fold."""
+    (SiLU backward) walk K in a single step before their epilogue."""
     g = torch.Generator().manual_seed(18)
     params = (torch.randn(HIDDEN, 20, generator=g) / 4, torch.randn(HIDDEN, generator=g),
               torch.randn(13, HIDDEN, generator=g) / HIDDEN ** 0.5, torch.randn(13, generator=g))

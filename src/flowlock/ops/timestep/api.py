@@ -5,9 +5,15 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_finite_range, check_tensor
 from flowlock.ops.timestep.reference import timestep_mlp_reference, timestep_sinusoid_reference
-from flowlock.ops.timestep.triton import TimestepMlpFunction, TimestepSinusoidFunction
+from flowlock.ops.timestep.triton import (
+    TimestepMlpFunction,
+    TimestepSinusoidFunction,
+    timestep_mlp_fwd,
+    timestep_sinusoid_fwd,
+)
 
 
 def _contiguous(name: str, t: torch.Tensor) -> None:
@@ -31,7 +37,8 @@ def timestep_sinusoid(t: torch.Tensor) -> torch.Tensor:
     _contiguous("t", t)
     check_finite_range("t", t, 0.0, 1.0)
     if backend_for("timestep_sinusoid", t) == "triton":
-        return TimestepSinusoidFunction.apply(t)
+        # Without a graph to record, the launcher Function.forward calls, minus the apply overhead.
+        return TimestepSinusoidFunction.apply(t) if needs_graph(t) else timestep_sinusoid_fwd(t)
     return timestep_sinusoid_reference(t)
 
 
@@ -62,6 +69,8 @@ def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
     for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
         _contiguous(name, t)
     if backend_for("timestep_mlp", x, w1, b1, w2, b2) == "triton":
-        return TimestepMlpFunction.apply(x, w1, b1, w2, b2)
+        if needs_graph(x, w1, b1, w2, b2):
+            return TimestepMlpFunction.apply(x, w1, b1, w2, b2)
+        return timestep_mlp_fwd(x, w1, b1, w2, b2)[0]
     return timestep_mlp_reference(x, w1, b1, w2, b2)
 

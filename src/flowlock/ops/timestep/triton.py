@@ -5,12 +5,15 @@ Sinusoid: one program per timestep; the only arithmetic before sin/cos is the fl
 (libdevice, the functions torch calls), so the result is bitwise diffusers' on the GPU. The
 interpreter has no libdevice and uses numpy's sin/cos instead.
 
-MLP: T is 1..8, so every layer is a GEMV: each program loads one ``[BLOCK_N, BLOCK_K]`` weight tile
-once (coalesced along w's contiguous axis) and reduces it against each of the T rows in turn, with
-no padded M tile and no ``tl.dot``. Each output element sums each fixed ``BLOCK_K`` slice of K with
-one fixed in-tile tree, then the slices in ascending order, so it depends only on its own input row:
-rows are pure.
-Weight and bias gradients sum over the T rows in ascending order inside one program: no atomics.
+MLP: T is 1..8, so every layer is a GEMV with no padded M tile and no ``tl.dot``. Each program owns
+``BLOCK_N`` output columns of a group of ``ROWS`` rows and walks all of K in ascending ``BLOCK_K``
+slices, loading each weight tile once for the whole group (coalesced along w's contiguous axis): no
+K-split partials, so a layer is one launch. An element's sum order is set by K and the config alone,
+never by T or the row's place, so rows are pure. Sums run in float64 (float32 products are exact
+there; float64 is fast on the H200 and these GEMVs are memory-bound) and every stored value (linear_1
+output, SiLU, linear_2 output, gradients) is rounded once to float32.
+Weight and bias gradients are float64 sums over the T rows in ascending order inside one program (no
+atomics), launched together with the layer's input-gradient GEMV: the backward is two launches.
 """
 
 from __future__ import annotations
@@ -81,82 +84,111 @@ def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.conste
 
 
 @triton.jit
-def _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, mask, EPILOGUE: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-    """0 adds ``bias`` (if given); 1 adds ``bias``, stores it to ``pre`` and writes ``silu``; 2 multiplies
-    by ``silu'(pre)`` (the SiLU backward). ``acc`` is one row's ``BLOCK_N`` columns."""
-    if bias_ptr is not None:
-        acc = acc + tl.load(bias_ptr + cols, mask=mask, other=0.0)
-    if EPILOGUE == 1:
-        tl.store(pre_ptr + offs, acc, mask=mask)
-        acc = tl.math.div_rn(acc, 1.0 + _exp(-acc, INTERPRET))
-    elif EPILOGUE == 2:
-        pre = tl.load(pre_ptr + offs, mask=mask, other=0.0)
-        sig = tl.math.div_rn(1.0, 1.0 + _exp(-pre, INTERPRET))
-        acc = acc * (sig * (1.0 + pre * (1.0 - sig)))
-    tl.store(out_ptr + offs, acc, mask=mask)
+def _gemv_rows(a_ptr, w_ptr, m0, M, K, cols64, col_mask, stride_wn, stride_wk, ROWS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[ROWS, BLOCK_N]`` float64 sums ``Σ_k a[m0 + r, k]·w[col, k]`` (a row-major ``(M, K)``, w by
+    strides). K is walked in ``BLOCK_K`` slices in ascending order; each ``[BLOCK_N, BLOCK_K]`` weight
+    tile is loaded once and every row of the group reduces it with the same code, so an element's
+    order depends on K and the config alone, never on M or on the row's place in the group. float32
+    products are exact in float64 (48 significant bits), so the only roundings are the float64 adds."""
+    slots = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks.to(tl.int64)[None, :] * stride_wk,
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float64)
+        for r in tl.static_range(ROWS):
+            row = m0 + r
+            if row < M:  # the last group's missing rows cost nothing (T = 1 runs one row, not ROWS)
+                a = tl.load(a_ptr + row * K + ks, mask=k_mask, other=0.0).to(tl.float64)
+                part = tl.sum(w * a[None, :], axis=1)
+                acc = tl.where(slots[:, None] == r, acc + part[None, :], acc)
+    return acc
 
 
 @triton.jit
-def _rows_gemv_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, part_ptr, M, N, K, stride_wn, stride_wk,
-                      EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
-    """``Σ_k a[m, k]·w[n, k]`` (a row-major ``(M, K)``, w by strides) over the ``BLOCK_K``-long K slice
-    ``program_id(1)`` for every row m. The ``[BLOCK_N, BLOCK_K]`` weight tile is loaded once (the
-    layout follows w's contiguous axis, so the load is coalesced either way) and held in registers
-    while the rows stream past it: each row is one elementwise product and one ``tl.sum`` over the
-    slice, the same code whatever M is. With one slice the epilogue follows directly; otherwise the
-    slice's sum goes to ``part[slice, m, n]`` for :func:`_gemv_fold_kernel`."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+def _gemv_tile(pid, a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, stride_wn, stride_wk,
+               EPILOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """One program's ``[ROWS, BLOCK_N]`` output tile (``pid`` counts column blocks fastest). The
+    epilogue runs in float64 and rounds each stored value once to float32: ``EPILOGUE`` 0 adds
+    ``bias`` (if given); 1 adds ``bias``, stores that to ``pre`` and writes its SiLU; 2 multiplies by
+    ``silu'(pre)`` (the SiLU backward)."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    cols = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = (pid // n_blocks).to(tl.int64) * ROWS  # int64 so row * K and row * N cannot wrap
     col_mask = cols < N
-    k_mask = ks < K
     cols64 = cols.to(tl.int64)
-    w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks.to(tl.int64)[None, :] * stride_wk,
-                mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-    for m in range(0, M):
-        row = tl.full((), 0, tl.int64) + m  # int64 so row * K and row * N cannot wrap
-        a = tl.load(a_ptr + row * K + ks, mask=k_mask, other=0.0)
-        acc = tl.sum(w * a[None, :], axis=1)
-        offs = row * N + cols64
-        if SPLITS == 1:
-            _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, EPILOGUE, INTERPRET)
-        else:
-            tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=col_mask)
+    acc = _gemv_rows(a_ptr, w_ptr, m0, M, K, cols64, col_mask, stride_wn, stride_wk, ROWS, BLOCK_N, BLOCK_K)
+    rows = m0 + tl.arange(0, ROWS)
+    offs = rows[:, None] * N + cols64[None, :]
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    if bias_ptr is not None:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float64)[None, :]
+    if EPILOGUE == 1:
+        pre = acc.to(tl.float32)
+        tl.store(pre_ptr + offs, pre, mask=mask)
+        pre64 = pre.to(tl.float64)
+        tl.store(out_ptr + offs, (pre64 / (1.0 + _exp(-pre64, INTERPRET))).to(tl.float32), mask=mask)
+    elif EPILOGUE == 2:
+        pre = tl.load(pre_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        sig = 1.0 / (1.0 + _exp(-pre, INTERPRET))
+        tl.store(out_ptr + offs, (acc * (sig * (1.0 + pre * (1.0 - sig)))).to(tl.float32), mask=mask)
+    else:
+        tl.store(out_ptr + offs, acc.to(tl.float32), mask=mask)
 
 
 @triton.jit
-def _gemv_fold_kernel(part_ptr, bias_ptr, pre_ptr, out_ptr, M, N, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Fold row ``program_id(1)``'s K-slice sums in ascending slice order (a fixed order set by K
-    alone), then the epilogue."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    offs = tl.program_id(1).to(tl.int64) * N + cols.to(tl.int64)
-    acc = tl.load(part_ptr + offs, mask=col_mask, other=0.0)
-    for split in range(1, SPLITS):
-        acc = acc + tl.load(part_ptr + split * M * N + offs, mask=col_mask, other=0.0)
-    _gemv_epilogue(acc, bias_ptr, pre_ptr, out_ptr, offs, cols, col_mask, EPILOGUE, INTERPRET)
-
-
-@triton.jit
-def _rows_wgrad_kernel(g_ptr, a_ptr, dw_ptr, db_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``dw[n, k] = Σ_m g[m, n]·a[m, k]`` and ``db[n] = Σ_m g[m, n]``, m ascending, one program per tile."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+def _wgrad_tile(pid, g_ptr, a_ptr, dw_ptr, db_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``dw[n, k] = Σ_m g[m, n]·a[m, k]`` and ``db[n] = Σ_m g[m, n]`` for one ``[BLOCK_N, BLOCK_K]``
+    tile (``pid`` counts K blocks fastest): float64 sums over m ascending, rounded once."""
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    cols = (pid // k_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
     col_mask = cols < N
     k_mask = ks < K
-    acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float64)
+    acc_b = tl.zeros((BLOCK_N,), dtype=tl.float64)
     for m in range(0, M):
-        g = tl.load(g_ptr + m * N + cols, mask=col_mask, other=0.0)
-        a = tl.load(a_ptr + m * K + ks, mask=k_mask, other=0.0)
+        row = tl.full((), 0, tl.int64) + m
+        g = tl.load(g_ptr + row * N + cols, mask=col_mask, other=0.0).to(tl.float64)
+        a = tl.load(a_ptr + row * K + ks, mask=k_mask, other=0.0).to(tl.float64)
         acc_w = acc_w + g[:, None] * a[None, :]
         acc_b = acc_b + g
     offs = cols.to(tl.int64)[:, None] * K + ks[None, :]
-    tl.store(dw_ptr + offs, acc_w, mask=col_mask[:, None] & k_mask[None, :])
-    tl.store(db_ptr + cols, acc_b, mask=col_mask & (tl.program_id(1) == 0))
+    tl.store(dw_ptr + offs, acc_w.to(tl.float32), mask=col_mask[:, None] & k_mask[None, :])
+    tl.store(db_ptr + cols, acc_b.to(tl.float32), mask=col_mask & (pid % k_blocks == 0))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, EPILOGUE: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+    """One layer of the forward: ``(M, K) @ w(N, K)ᵀ`` (w row-major) and its epilogue, one program
+    per ``[ROWS, BLOCK_N]`` output tile. ``M`` is not specialized, so every T runs one binary."""
+    _gemv_tile(tl.program_id(0), a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, K, 1, EPILOGUE, ROWS,
+               BLOCK_N, BLOCK_K, INTERPRET)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _timestep_mlp_bwd_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, wa_ptr, dw_ptr, db_ptr, M, N, K, GEMV_PROGRAMS,
+                             INPUT_GRAD: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WG_BLOCK_N: tl.constexpr,
+                             WG_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """One layer of the backward in one launch: with ``INPUT_GRAD``, the first ``GEMV_PROGRAMS`` programs
+    compute the input gradient ``g(M, K) @ w(K, N)`` (w row-major ``(K, N)``, read transposed) with its epilogue;
+    the rest compute the weight and bias gradients of ``g`` against the layer input ``wa (M, N)``.
+    The two write disjoint outputs; the long-running GEMV programs come first so they start first."""
+    pid = tl.program_id(0)
+    if INPUT_GRAD:
+        if pid < GEMV_PROGRAMS:
+            _gemv_tile(pid, g_ptr, w_ptr, None, pre_ptr, out_ptr, M, N, K, 1, N, EPILOGUE, ROWS, BLOCK_N,
+                       BLOCK_K, INTERPRET)
+        else:
+            _wgrad_tile(pid - GEMV_PROGRAMS, g_ptr, wa_ptr, dw_ptr, db_ptr, M, K, N, WG_BLOCK_N, WG_BLOCK_K)
+    else:
+        _wgrad_tile(pid, g_ptr, wa_ptr, dw_ptr, db_ptr, M, K, N, WG_BLOCK_N, WG_BLOCK_K)
 
 
 def timestep_sinusoid_fwd(t: torch.Tensor) -> torch.Tensor:
@@ -199,59 +231,56 @@ class TimestepSinusoidFunction(torch.autograd.Function):
         return timestep_sinusoid_bwd(t, grad)
 
 
-def _gemv(a: torch.Tensor, w: torch.Tensor, stride_wn: int, stride_wk: int, n: int, bias: torch.Tensor | None,
-          epilogue: int, pre: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    m, k = a.shape
-    out = torch.empty((m, n), dtype=torch.float32, device=a.device)
-    if epilogue == 1:
-        pre = torch.empty_like(out)
-    # A transposed read (w's N axis contiguous) wants a wide N tile, a direct one a wide K tile.
-    cfg = launch_config("timestep_mlp_t" if stride_wn == 1 else "timestep_mlp", torch.float32, arch_of(a))
-    # The K slice is the whole tile (a function of the config and K alone, never of T): each program
-    # reads its weight tile once, and the slices are folded in ascending order.
-    block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
-    splits = triton.cdiv(k, block_k)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=a.device) if splits > 1 else None
-    interpret = interpreter_active()
-    _rows_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
-        a, w, bias, pre, out, part, m, n, k, stride_wn, stride_wk, EPILOGUE=epilogue, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=block_k, SPLITS=splits, INTERPRET=interpret, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, enable_reflect_ftz=False)
-    if splits > 1:
-        _gemv_fold_kernel[(triton.cdiv(n, cfg["FOLD_N"]), m)](
-            part, bias, pre, out, m, n, EPILOGUE=epilogue, BLOCK_N=cfg["FOLD_N"], SPLITS=splits,
-            INTERPRET=interpret, num_warps=cfg.num_warps, enable_reflect_ftz=False)
-    return out, pre
-
-
-def _wgrad(g: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    (m, n), k = g.shape, a.shape[1]
-    dw = torch.empty((n, k), dtype=torch.float32, device=g.device)
-    db = torch.empty((n,), dtype=torch.float32, device=g.device)
-    cfg = launch_config("timestep_mlp_wgrad", torch.float32, arch_of(g))
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    _rows_wgrad_kernel[grid](g, a, dw, db, m, n, k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dw, db
+def _gemv_programs(m: int, n: int, cfg) -> int:
+    return triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["ROWS"])
 
 
 def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Trusted launcher: returns ``(out (T, E), h (T, H) linear_1 output, act (T, H) SiLU output)``."""
-    hidden, embed = w1.shape[0], w2.shape[0]
-    act, h = _gemv(x, w1, w1.stride(0), w1.stride(1), hidden, b1, epilogue=1)
-    out, _ = _gemv(act, w2, w2.stride(0), w2.stride(1), embed, b2, epilogue=0)
+    """Trusted launcher: returns ``(out (T, E), h (T, H) linear_1 output, act (T, H) SiLU output)``.
+    Two launches, one per layer; each output element is one float64 sum over K rounded once."""
+    (rows, k), hidden, embed = x.shape, w1.shape[0], w2.shape[0]
+    h = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
+    act = torch.empty_like(h)
+    out = torch.empty((rows, embed), dtype=torch.float32, device=x.device)
+    cfg = launch_config("timestep_mlp", torch.float32, arch_of(x))
+    interpret = interpreter_active()
+    for a, w, bias, pre, dst, n, kk, epilogue in ((x, w1, b1, h, act, hidden, k, 1),
+                                                  (act, w2, b2, None, out, embed, hidden, 0)):
+        _timestep_mlp_fwd_kernel[(_gemv_programs(rows, n, cfg),)](
+            a, w, bias, pre, dst, rows, n, kk, EPILOGUE=epilogue, ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"], INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_reflect_ftz=False)
     return out, h, act
 
 
+def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, cfg, wg_cfg, interpret: bool):
+    """One backward launch: ``(g @ w, dw, db)`` with ``g @ w`` through ``epilogue`` (``None`` when not
+    needed)."""
+    (rows, k), n = g.shape, w.shape[1]
+    din = torch.empty((rows, n), dtype=torch.float32, device=g.device) if needs_input_grad else None
+    dw = torch.empty((k, n), dtype=torch.float32, device=g.device)
+    db = torch.empty((k,), dtype=torch.float32, device=g.device)
+    gemv = _gemv_programs(rows, n, cfg) if needs_input_grad else 0
+    wgrad = triton.cdiv(k, wg_cfg["BLOCK_N"]) * triton.cdiv(n, wg_cfg["BLOCK_K"])
+    _timestep_mlp_bwd_kernel[(gemv + wgrad,)](
+        g, w, pre, din, layer_in, dw, db, rows, n, k, gemv, INPUT_GRAD=needs_input_grad, EPILOGUE=epilogue,
+        ROWS=cfg["ROWS"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], WG_BLOCK_N=wg_cfg["BLOCK_N"],
+        WG_BLOCK_K=wg_cfg["BLOCK_K"], INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_reflect_ftz=False)
+    return din, dw, db
+
+
 def timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx: bool = True):
-    """Trusted launcher: ``(dx or None, dw1, db1, dw2, db2)``; dx and dh rows are pure, weight and bias
-    gradients sum the T rows in ascending order."""
+    """Trusted launcher: ``(dx or None, dw1, db1, dw2, db2)`` in two launches (linear_2's weight
+    gradients with ``dh = (grad @ w2)·silu'(h)``, then linear_1's with ``dx = dh @ w1``). dx and dh
+    rows are pure; weight and bias gradients are float64 sums over the T rows in ascending order."""
     grad = grad.contiguous()
-    dw2, db2 = _wgrad(grad, act)
-    # d act = grad @ w2 (w2 read transposed: n = hidden index, k = embed index), then through SiLU.
-    dh, _ = _gemv(grad, w2, w2.stride(1), w2.stride(0), w2.shape[1], None, epilogue=2, pre=h)
-    dw1, db1 = _wgrad(dh, x)
-    dx = _gemv(dh, w1, w1.stride(1), w1.stride(0), w1.shape[1], None, epilogue=0)[0] if needs_dx else None
+    cfg = launch_config("timestep_mlp_t", torch.float32, arch_of(grad))
+    wg_cfg = launch_config("timestep_mlp_wgrad", torch.float32, arch_of(grad))
+    interpret = interpreter_active()
+    dh, dw2, db2 = _layer_bwd(grad, w2, act, h, 2, True, cfg, wg_cfg, interpret)
+    dx, dw1, db1 = _layer_bwd(dh, w1, x, None, 0, needs_dx, cfg, wg_cfg, interpret)
     return dx, dw1, db1, dw2, db2
 
 
