@@ -253,3 +253,17 @@ def test_schedule_checks_memoized_yet_see_in_place_writes_and_new_partners(backe
             euler_step(sample, velocity, t, sigma, torch.tensor(0.7))
         euler_step(sample, velocity, t, sigma, torch.tensor(0.1))
     assert len(reads) == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_graph_path_gives_the_graph_paths_bits(dtype):
+    """Under no_grad (or with no input needing grad) the op calls the forward launcher directly,
+    skipping the autograd Function: same kernel, same bits."""
+    sample, velocity = _data((2, 3, 11), dtype, 31)
+    t, sigma, sigma_next = torch.tensor([0.3, 0.8]), torch.tensor([0.7, 0.25]), torch.tensor([0.5, 0.0])
+    with torch.no_grad():
+        plain = _run("triton", sample, velocity, t, sigma, sigma_next)
+    no_grad_inputs = _run("triton", sample, velocity, t, sigma, sigma_next)
+    graph = _run("triton", sample.clone().requires_grad_(), velocity, t, sigma, sigma_next)
+    assert plain.grad_fn is None and no_grad_inputs.grad_fn is None and graph.grad_fn is not None
+    assert torch.equal(plain, graph.detach()) and torch.equal(no_grad_inputs, plain)

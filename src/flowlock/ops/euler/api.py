@@ -8,9 +8,10 @@ import weakref
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import FLOAT_DTYPES, _memoized, check_tensor
 from flowlock.ops.euler.reference import euler_step_reference
-from flowlock.ops.euler.triton import EulerStepFunction
+from flowlock.ops.euler.triton import EulerStepFunction, euler_step_fwd
 
 
 def _per_sample_scalar(name: str, v: object, batch: int, device: torch.device) -> torch.Tensor:
@@ -90,6 +91,8 @@ def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Ten
     _check_schedule(timestep, sigma, sigma_next)
     backend = backend_for("euler_step", sample, velocity, timestep, sigma, sigma_next)
     if backend == "triton":
-        return EulerStepFunction.apply(sample, velocity, timestep, sigma, sigma_next)
+        if needs_graph(sample, velocity):
+            return EulerStepFunction.apply(sample, velocity, timestep, sigma, sigma_next)
+        return euler_step_fwd(sample, velocity, timestep, sigma, sigma_next)
     return euler_step_reference(sample, velocity, timestep.expand(batch), sigma.expand(batch),
                                 sigma_next.expand(batch))
