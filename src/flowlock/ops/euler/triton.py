@@ -15,6 +15,7 @@ import triton.language as tl
 
 from flowlock.config import launch_config
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import arch_of
 
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -29,6 +30,7 @@ def _sample_scalars(t_ptr, s_ptr, sn_ptr, b, t_stride, s_stride, sn_stride, DTYP
     return sigma_t, r, 1.0 - r
 
 
+@fast_launch
 @triton.jit
 def _euler_step_fwd_kernel(x_ptr, v_ptr, t_ptr, s_ptr, sn_ptr, out_ptr, n_per_sample, t_stride, s_stride,
                            sn_stride, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
@@ -47,6 +49,7 @@ def _euler_step_fwd_kernel(x_ptr, v_ptr, t_ptr, s_ptr, sn_ptr, out_ptr, n_per_sa
     tl.store(out_ptr + base + offs, from_f32(out, DTYPE), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _euler_step_bwd_kernel(g_ptr, t_ptr, s_ptr, sn_ptr, gx_ptr, gv_ptr, n_per_sample, t_stride, s_stride,
                            sn_stride, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
@@ -78,7 +81,7 @@ def euler_step_fwd(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch
         return out
     per_sample = n // sample.shape[0]
     cfg = launch_config("euler_step", sample.dtype, arch_of(sample))
-    _euler_step_fwd_kernel[(triton.cdiv(per_sample, cfg["BLOCK"]), sample.shape[0])](
+    _euler_step_fwd_kernel[(-(-per_sample // cfg["BLOCK"]), sample.shape[0])](
         sample, velocity, timestep, sigma, sigma_next, out, per_sample, _stride(timestep), _stride(sigma),
         _stride(sigma_next), BLOCK=cfg["BLOCK"], DTYPE=TL_DTYPE[sample.dtype], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False)
@@ -95,7 +98,7 @@ def euler_step_bwd(grad: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tens
         return gx, gv
     per_sample = n // grad.shape[0]
     cfg = launch_config("euler_step", grad.dtype, arch_of(grad))
-    _euler_step_bwd_kernel[(triton.cdiv(per_sample, cfg["BLOCK"]), grad.shape[0])](
+    _euler_step_bwd_kernel[(-(-per_sample // cfg["BLOCK"]), grad.shape[0])](
         grad, timestep, sigma, sigma_next, gx, gv, per_sample, _stride(timestep), _stride(sigma),
         _stride(sigma_next), BLOCK=cfg["BLOCK"], DTYPE=TL_DTYPE[grad.dtype], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False)

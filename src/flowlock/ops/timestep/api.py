@@ -59,12 +59,10 @@ def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
     t_rows, k = x.shape
     if t_rows < 1 or k < 1:
         raise ValueError(f"x must have at least one row and one column, got {tuple(x.shape)}")
-    check_tensor("w1", w1, dtypes=(torch.float32,), ndim=2, device=dev)
+    check_tensor("w1", w1, dtypes=(torch.float32,), shape=(None, k), device=dev)
     hidden = w1.shape[0]
-    check_tensor("w1", w1, shape=(hidden, k))
     check_tensor("b1", b1, dtypes=(torch.float32,), shape=(hidden,), device=dev)
-    check_tensor("w2", w2, dtypes=(torch.float32,), ndim=2, device=dev)
-    check_tensor("w2", w2, shape=(w2.shape[0], hidden))
+    check_tensor("w2", w2, dtypes=(torch.float32,), shape=(None, hidden), device=dev)
     check_tensor("b2", b2, dtypes=(torch.float32,), shape=(w2.shape[0],), device=dev)
     for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
         _contiguous(name, t)

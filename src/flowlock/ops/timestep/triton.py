@@ -25,6 +25,7 @@ from triton.language.extra.cuda import libdevice
 
 from flowlock.config import launch_config
 from flowlock.dispatch import interpreter_active
+from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import arch_of
 from flowlock.ops.timestep.reference import HALF, sinusoid_freqs
 
@@ -45,6 +46,7 @@ def _exp(x, INTERPRET: tl.constexpr):
         return libdevice.exp(x)
 
 
+@fast_launch
 @triton.jit
 def _timestep_sinusoid_fwd_kernel(t_ptr, f_ptr, out_ptr, HALF_C: tl.constexpr, INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -58,6 +60,7 @@ def _timestep_sinusoid_fwd_kernel(t_ptr, f_ptr, out_ptr, HALF_C: tl.constexpr, I
     tl.store(base + HALF_C + k, s, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.constexpr, LOG2_HALF: tl.constexpr,
                                   INTERPRET: tl.constexpr):
@@ -161,6 +164,7 @@ def _wgrad_tile(pid, g_ptr, a_ptr, dw_ptr, db_ptr, M, N, K, BLOCK_N: tl.constexp
     tl.store(db_ptr + cols, acc_b.to(tl.float32), mask=col_mask & (pid % k_blocks == 0))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, EPILOGUE: tl.constexpr,
                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -171,6 +175,7 @@ def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, 
                BLOCK_N, BLOCK_K, INTERPRET)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _timestep_mlp_bwd_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, wa_ptr, dw_ptr, db_ptr, M, N, K, GEMV_PROGRAMS,
                              INPUT_GRAD: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr,
@@ -231,8 +236,13 @@ class TimestepSinusoidFunction(torch.autograd.Function):
         return timestep_sinusoid_bwd(t, grad)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Plain integer arithmetic: triton.cdiv is a constexpr function, a few microseconds per host call.
+    return -(-a // b)
+
+
 def _gemv_programs(m: int, n: int, cfg) -> int:
-    return triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["ROWS"])
+    return _cdiv(n, cfg["BLOCK_N"]) * _cdiv(m, cfg["ROWS"])
 
 
 def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -261,7 +271,7 @@ def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, cfg, 
     dw = torch.empty((k, n), dtype=torch.float32, device=g.device)
     db = torch.empty((k,), dtype=torch.float32, device=g.device)
     gemv = _gemv_programs(rows, n, cfg) if needs_input_grad else 0
-    wgrad = triton.cdiv(k, wg_cfg["BLOCK_N"]) * triton.cdiv(n, wg_cfg["BLOCK_K"])
+    wgrad = _cdiv(k, wg_cfg["BLOCK_N"]) * _cdiv(n, wg_cfg["BLOCK_K"])
     _timestep_mlp_bwd_kernel[(gemv + wgrad,)](
         g, w, pre, din, layer_in, dw, db, rows, n, k, gemv, INPUT_GRAD=needs_input_grad, EPILOGUE=epilogue,
         ROWS=cfg["ROWS"],
