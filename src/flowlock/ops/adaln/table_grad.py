@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from flowlock.ops._fp_bits import to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops.adaln._configs import config
 from flowlock.ops.segment_sum.fold import fold_partials
 
@@ -36,6 +37,7 @@ def _chunk_partials(g_ptr, segment, rows, row_mask, cols, col_mask, out, R, N, s
             tl.store(out + r * stride_r, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=col_mask)
 
 
+@fast_launch
 @triton.jit
 def _adaln_table_grad_partials_kernel(
     g0_ptr, g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, ti_ptr, tag_ptr, partials_ptr,

@@ -18,11 +18,13 @@ import triton.language as tl
 
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.adaln._configs import config
 from flowlock.ops.adaln.table_grad import adaln_modulation_bwd
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -53,6 +55,7 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
     tl.store(out_ptr + offs_t[:, None] * N + offs_n[None, :], y, mask=mask_t[:, None] & mask_n[None, :])
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -79,6 +82,7 @@ def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
              mask=mask_t[:, None] & mask_k[None, :])
 
 
+@fast_launch
 @triton.jit
 def _adaln_table_bwd_fold_kernel(part_ptr, temb_ptr, d_temb_ptr, TE, NUM_CHUNKS, BLOCK: tl.constexpr):
     # Fold the chunk partials in ascending order, then the FP32 SiLU VJP (the BF16 cast is
@@ -93,6 +97,7 @@ def _adaln_table_bwd_fold_kernel(part_ptr, temb_ptr, d_temb_ptr, TE, NUM_CHUNKS,
     tl.store(d_temb_ptr + offs, d_act * (sig * (1.0 + x * (1.0 - sig))), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _adaln_table_bwd_weight_kernel(g_ptr, act_ptr, dw_ptr, db_ptr, T, N, E,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -122,6 +127,7 @@ def _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out_ptr, H, ROW_STRIDE,
     tl.store(out_ptr + offs_s[:, None] * H + offs_h[None, :], from_f32(vals, tl.bfloat16), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _adaln_modulation_fwd_kernel(table_ptr, ti_ptr, tag_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
                                  out5_ptr, S, H, ROW_STRIDE, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
