@@ -267,3 +267,25 @@ def test_no_graph_path_gives_the_graph_paths_bits(dtype):
     graph = _run("triton", sample.clone().requires_grad_(), velocity, t, sigma, sigma_next)
     assert plain.grad_fn is None and no_grad_inputs.grad_fn is None and graph.grad_fn is not None
     assert torch.equal(plain, graph.detach()) and torch.equal(no_grad_inputs, plain)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_schedule_false_skips_only_the_read_back(backend, monkeypatch):
+    """A sampler that validated its schedule once passes check_schedule=False: no read-back, the same
+    bits; dtype, shape and device checks still run."""
+    from flowlock.ops.euler import api
+
+    sample, velocity = _data((3, 7), torch.bfloat16, 41)
+    schedule = (torch.tensor([0.2, 0.5, 0.7]), torch.tensor(0.5), torch.tensor(0.25))
+    checked = _run(backend, sample, velocity, *[v.clone() for v in schedule])
+    reads = []
+    real = api._schedule_error
+    monkeypatch.setattr(api, "_schedule_error", lambda *a: reads.append(1) or real(*a))
+    with flowlock.use_backend(backend):
+        unchecked = euler_step(sample, velocity, *[v.clone() for v in schedule], check_schedule=False)
+        assert not reads
+        assert_bitwise_equal(unchecked, checked)
+        with pytest.raises(TypeError, match="sigma"):
+            euler_step(sample, velocity, schedule[0], schedule[1].double(), schedule[2], check_schedule=False)
+        with pytest.raises(ValueError, match="timestep"):
+            euler_step(sample, velocity, torch.full((4,), 0.5), *schedule[1:], check_schedule=False)

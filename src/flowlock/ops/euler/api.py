@@ -60,7 +60,7 @@ def _check_schedule(timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: tor
 
 
 def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
-               sigma_next: torch.Tensor) -> torch.Tensor:
+               sigma_next: torch.Tensor, *, check_schedule: bool = True) -> torch.Tensor:
     """One H3 Euler (eta = 0) step, bitwise equal to diffusers ``MiniMaxH3Scheduler.step``.
 
     Args:
@@ -69,6 +69,10 @@ def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Ten
         timestep: float32, 0-d or ``(B,)``, in ``[0, 1]``: the timestep the model was conditioned on.
         sigma: float32, 0-d or ``(B,)``, ``> 0``: the grid sigma of this step.
         sigma_next: float32, 0-d or ``(B,)``, in ``[0, sigma]``: the next grid sigma.
+        check_schedule: range-check the three schedule tensors (one host read-back unless these
+            exact tensors were checked before, unchanged); pass ``False`` only for values already
+            validated (a sampler that checked its whole schedule once). Dtype, shape and device are
+            always checked.
 
     A 1-D schedule argument always indexes samples (dim 0 of ``sample``) and is reshaped to
     ``(B, 1, ..., 1)`` explicitly; any other length is a ``ValueError``, never a broadcast over
@@ -88,7 +92,8 @@ def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Ten
     timestep = _per_sample_scalar("timestep", timestep, batch, sample.device)
     sigma = _per_sample_scalar("sigma", sigma, batch, sample.device)
     sigma_next = _per_sample_scalar("sigma_next", sigma_next, batch, sample.device)
-    _check_schedule(timestep, sigma, sigma_next)
+    if check_schedule:
+        _check_schedule(timestep, sigma, sigma_next)
     backend = backend_for("euler_step", sample, velocity, timestep, sigma, sigma_next)
     if backend == "triton":
         if needs_graph(sample, velocity):
