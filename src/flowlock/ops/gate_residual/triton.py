@@ -51,18 +51,28 @@ def _gate_residual_bwd_kernel(
     tile's d_gate partials ``Σ g * y`` per segment, reduced exactly as ``segment_sum_partials``
     reduces ``values=g, other=y`` (same tile, same config, same shared reduction code)."""
     tile = tl.program_id(0)
-    rows = tile.to(tl.int64) * TILE_ROWS + tl.arange(0, TILE_ROWS)
+    first = tile.to(tl.int64) * TILE_ROWS
+    rows = first + tl.arange(0, TILE_ROWS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < H
     mask = row_mask[:, None] & col_mask[None, :]
-    segment = tl.load(index_ptr + rows % S, mask=row_mask, other=-1)
-    offs = rows[:, None] * H + cols[None, :]
-    g = to_f32(tl.load(g_ptr + offs, mask=mask, other=0.0))
-    gate = to_f32(tl.load(gate_ptr + segment.to(tl.int64)[:, None] * stride_gate + cols[None, :], mask=mask,
-                          other=0.0))
-    tl.store(dy_ptr + offs, from_f32(round_f32(gate * g, DTYPE), DTYPE), mask=mask)
-    v = g * to_f32(tl.load(y_ptr + offs, mask=mask, other=0.0))
+    # Registers are the limit here (segment_sum's own kernel already uses all of them on sm90): segments
+    # as int32 (they are < R) and offsets within the tile as int32 from one int64 tile base.
+    segment = tl.load(index_ptr + rows % S, mask=row_mask, other=-1).to(tl.int32)
+    # gate[i] per row, one gate row at a time: a (BLOCK_N,) load per segment instead of a gather's
+    # (TILE_ROWS, BLOCK_N) pointers, which would not fit beside the partials' registers.
+    gate = tl.zeros([TILE_ROWS, BLOCK_N], dtype=tl.float32)
+    gate_row_ptrs = gate_ptr + cols
+    for r in range(R):
+        gate_row = to_f32(tl.load(gate_row_ptrs, mask=col_mask, other=0.0))
+        gate = tl.where(segment[:, None] == r, gate_row[None, :], gate)
+        # Advance the pointer rather than forming r * stride_gate, which could pass 2^31 in int32.
+        gate_row_ptrs += stride_gate
+    offs = tl.arange(0, TILE_ROWS)[:, None] * H + cols[None, :]
+    g = to_f32(tl.load(g_ptr + first * H + offs, mask=mask, other=0.0))
+    tl.store(dy_ptr + first * H + offs, from_f32(round_f32(gate * g, DTYPE), DTYPE), mask=mask)
+    v = g * to_f32(tl.load(y_ptr + first * H + offs, mask=mask, other=0.0))
     segment_partials(v, segment, partials_ptr + tile.to(tl.int64) * R * H + cols, R, H, col_mask)
 
 
