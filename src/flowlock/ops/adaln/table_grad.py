@@ -72,22 +72,19 @@ def _adaln_table_grad_partials_kernel(
 
 def adaln_modulation_bwd(grads: tuple[torch.Tensor | None, ...], timestep_indices: torch.Tensor,
                          token_tags: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Six ``(S, H)`` gradients of one dtype (``None``: zero, not all ``None``) -> the ``(num_rows, 6H)``
-    FP32 table gradient, ``out[r, c*H:(c+1)*H] = Σ_{s: ti[s]*3 + tag[s] = r} grads[c][s]``.
+    """Six ``(S, H)`` gradients of one dtype (``H >= 1``; ``None``: zero, not all ``None``) -> the
+    ``(num_rows, 6H)`` FP32 table gradient, ``out[r, c*H:(c+1)*H] = Σ_{s: ti[s]*3 + tag[s] = r} grads[c][s]``.
 
     Bitwise the per-chunk ``segment_sum_fwd(grads[c], ti*3 + tag, num_rows)`` placed side by side (see
     the module docstring), from one partials launch and one :func:`fold_partials`. Trusted: the
     indices are ``(S,)`` and in range, checked by the public op.
     """
-    present = [g for g in grads if g is not None]
-    ref = present[0]
+    ref = next(g for g in grads if g is not None)
     s, h = ref.shape
     # The tile rule and the reduction tree are segment_sum's: same config entry, same block, same warps.
     cfg = config("segment_sum_partials", ref)
     tiles = max(triton.cdiv(s, cfg["TILE_ROWS"]), 1)
     partials = torch.empty((tiles, num_rows, 6 * h), dtype=torch.float32, device=ref.device)
-    if h == 0:
-        return partials[0]
     gs = [ref if g is None else g.contiguous() for g in grads]
     mask = sum(1 << c for c, g in enumerate(grads) if g is not None)
     _adaln_table_grad_partials_kernel[(tiles, triton.cdiv(h, cfg["BLOCK_N"]))](
