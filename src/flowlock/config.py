@@ -87,6 +87,11 @@ register("timestep_mlp_t", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=32, BLOCK_K=16
 register("timestep_mlp_t", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=16, BLOCK_K=128,
                                                 note="by design: transposed W reads, 64 contiguous bytes per K "
                                                      "row, each program walks all of K; 336 programs for d act"))
+register("timestep_mlp_t", "fp32", "sm90", _cfg(16, 3, ROWS=4, BLOCK_N=16, BLOCK_K=512,
+                                                note="by design: d x = d h @ w1 has 256 columns, so 16 programs; "
+                                                     "32 KB per K step keeps more bytes in flight per program "
+                                                     "(16 warps: 88 registers, no spills, offline sm90 compile)"),
+         (5376, 256))
 register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
 register("timestep_mlp_wgrad", "fp32", "sm90",
          _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))

@@ -263,10 +263,12 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     return out, h, act
 
 
-def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, cfg, wg_cfg, interpret: bool):
+def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, arch: str, wg_cfg, interpret: bool):
     """One backward launch: ``(g @ w, dw, db)`` with ``g @ w`` through ``epilogue`` (``None`` when not
-    needed)."""
+    needed). The GEMV's tiles are keyed by w's shape: d x has only 256 output columns to spread over
+    programs, so it takes wider K steps than d act."""
     (rows, k), n = g.shape, w.shape[1]
+    cfg = launch_config("timestep_mlp_t", torch.float32, arch, tuple(w.shape))
     din = torch.empty((rows, n), dtype=torch.float32, device=g.device) if needs_input_grad else None
     dw = torch.empty((k, n), dtype=torch.float32, device=g.device)
     db = torch.empty((k,), dtype=torch.float32, device=g.device)
@@ -274,8 +276,7 @@ def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, cfg, 
     wgrad = _cdiv(k, wg_cfg["BLOCK_N"]) * _cdiv(n, wg_cfg["BLOCK_K"])
     _timestep_mlp_bwd_kernel[(gemv + wgrad,)](
         g, w, pre, din, layer_in, dw, db, rows, n, k, gemv, INPUT_GRAD=needs_input_grad, EPILOGUE=epilogue,
-        ROWS=cfg["ROWS"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], WG_BLOCK_N=wg_cfg["BLOCK_N"],
+        ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], WG_BLOCK_N=wg_cfg["BLOCK_N"],
         WG_BLOCK_K=wg_cfg["BLOCK_K"], INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_reflect_ftz=False)
     return din, dw, db
@@ -286,11 +287,11 @@ def timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx: bool = True):
     gradients with ``dh = (grad @ w2)·silu'(h)``, then linear_1's with ``dx = dh @ w1``). dx and dh
     rows are pure; weight and bias gradients are float64 sums over the T rows in ascending order."""
     grad = grad.contiguous()
-    cfg = launch_config("timestep_mlp_t", torch.float32, arch_of(grad))
-    wg_cfg = launch_config("timestep_mlp_wgrad", torch.float32, arch_of(grad))
+    arch = arch_of(grad)
+    wg_cfg = launch_config("timestep_mlp_wgrad", torch.float32, arch)
     interpret = interpreter_active()
-    dh, dw2, db2 = _layer_bwd(grad, w2, act, h, 2, True, cfg, wg_cfg, interpret)
-    dx, dw1, db1 = _layer_bwd(dh, w1, x, None, 0, needs_dx, cfg, wg_cfg, interpret)
+    dh, dw2, db2 = _layer_bwd(grad, w2, act, h, 2, True, arch, wg_cfg, interpret)
+    dx, dw1, db1 = _layer_bwd(dh, w1, x, None, 0, needs_dx, arch, wg_cfg, interpret)
     return dx, dw1, db1, dw2, db2
 
 
