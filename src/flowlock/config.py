@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowlock.ops._triton_utils import dtype_key
+from flowlock.ops._triton_utils import arch_of, dtype_key
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,21 @@ def launch_config(op: str, dtype: torch.dtype, arch: str, shape: tuple[int, ...]
         if key in _CONFIGS:
             return _CONFIGS[key]
     raise KeyError(f"no launch config for op={op} dtype={d} arch={arch} shape={shape}")
+
+_MEMO: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], LaunchConfig] = {}
+
+
+def config_for(op: str, t: torch.Tensor, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None
+               ) -> LaunchConfig:
+    """``launch_config(op, dtype or t.dtype, arch_of(t), shape)`` for the device holding ``t``, memoized:
+    the table never changes after import, and walking its keys plus inspecting the device costs a few
+    us of host time per launch, which small-S calls feel."""
+    key = (op, dtype or t.dtype, t.device, shape)
+    cfg = _MEMO.get(key)
+    if cfg is None:
+        cfg = _MEMO[key] = launch_config(op, key[1], arch_of(t), shape)
+    return cfg
+
 
 # norms (segment_sum, rms_norm, rms_norm_modulate, gate_residual): sizes by design, not yet timed on an H200.
 # segment_sum's TILE_ROWS = 64 is the partial-buffer layout contract: the same on every arch and dtype.

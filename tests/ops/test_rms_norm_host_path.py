@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flowlock
+from flowlock.config import config_for
 from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
 from flowlock.ops.rms_norm import triton as rt
 from flowlock.ops.segment_sum import fold as fold_module
 from flowlock.ops.segment_sum import triton as st_module
-from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
 from flowlock.ops.segment_sum.triton import segment_sum_fwd
 from flowlock.testing import assert_bitwise_equal

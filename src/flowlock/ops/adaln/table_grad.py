@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flowlock.config import config_for
 from flowlock.ops._fp_bits import to_f32
 from flowlock.ops._launch import fast_launch
-from flowlock.ops.adaln._configs import config
 from flowlock.ops.segment_sum.fold import fold_partials
 
 
@@ -82,7 +82,7 @@ def adaln_modulation_bwd(grads: tuple[torch.Tensor | None, ...], timestep_indice
     ref = next(g for g in grads if g is not None)
     s, h = ref.shape
     # The tile rule and the reduction tree are segment_sum's: same config entry, same block, same warps.
-    cfg = config("segment_sum_partials", ref)
+    cfg = config_for("segment_sum_partials", ref)
     tiles = max(triton.cdiv(s, cfg["TILE_ROWS"]), 1)
     partials = torch.empty((tiles, num_rows, 6 * h), dtype=torch.float32, device=ref.device)
     gs = [ref if g is None else g.contiguous() for g in grads]

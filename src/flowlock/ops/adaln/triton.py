@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
-from flowlock.ops.adaln._configs import config
 from flowlock.ops.adaln.table_grad import adaln_modulation_bwd
 
 
@@ -163,7 +163,7 @@ def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     rounded to BF16 in the kernel) or bf16, weight (N, E) bf16. Trusted: inputs are not validated."""
     t, e = act.shape
     n = weight.shape[0]
-    cfg = config("adaln_proj_fwd", weight)
+    cfg = config_for("adaln_proj_fwd", weight)
     out = torch.empty((t, n), dtype=torch.float32, device=act.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(t, cfg["BLOCK_T"]))
     _adaln_table_fwd_kernel[grid](act, weight, bias, out, t, n, e,
@@ -187,7 +187,7 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
     n = weight.shape[0]
     d_temb = d_weight = d_bias = None
     if need_temb:
-        cfg = config("adaln_proj_bwd_act", weight)
+        cfg = config_for("adaln_proj_bwd_act", weight)
         if cfg["CHUNK_N"] % cfg["BLOCK_N"]:
             # A chunk's inner loop would run into the next chunk and count those rows twice.
             raise ValueError(f"adaln_proj_bwd_act: CHUNK_N {cfg['CHUNK_N']} must be a multiple of BLOCK_N")
@@ -202,7 +202,7 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
         _adaln_table_bwd_fold_kernel[(triton.cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
                                                                          BLOCK=fold_block)
     if need_params:
-        wcfg = config("adaln_proj_bwd_weight", weight)
+        wcfg = config_for("adaln_proj_bwd_weight", weight)
         d_weight = torch.empty((n, e), dtype=torch.bfloat16, device=grad.device)
         d_bias = torch.empty((n,), dtype=torch.bfloat16, device=grad.device)
         wgrid = (triton.cdiv(n, wcfg["BLOCK_N"]), triton.cdiv(e, wcfg["BLOCK_K"]))
@@ -217,7 +217,7 @@ def adaln_modulation_fwd(table: torch.Tensor, timestep_indices: torch.Tensor,
     """Six ``(S, H)`` BF16 tensors ``table[ti*3+tag, c*H:(c+1)*H]`` from the ``(3T, 6H)`` FP32 table."""
     s = timestep_indices.shape[0]
     h = table.shape[1] // 6
-    cfg = config("adaln_gather", table)
+    cfg = config_for("adaln_gather", table)
     grid = (triton.cdiv(s, cfg["BLOCK_S"]), triton.cdiv(h, cfg["BLOCK_H"]))
     outs = tuple(torch.empty((s, h), dtype=torch.bfloat16, device=table.device) for _ in range(6))
     _adaln_modulation_fwd_kernel[grid](table, timestep_indices, token_tags, *outs, s, h, table.stride(0),

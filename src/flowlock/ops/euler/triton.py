@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import launch_config
+from flowlock.config import config_for
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
-from flowlock.ops._triton_utils import arch_of
 
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -80,7 +79,7 @@ def euler_step_fwd(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch
     if n == 0:
         return out
     per_sample = n // sample.shape[0]
-    cfg = launch_config("euler_step", sample.dtype, arch_of(sample))
+    cfg = config_for("euler_step", sample)
     _euler_step_fwd_kernel[(-(-per_sample // cfg["BLOCK"]), sample.shape[0])](
         sample, velocity, timestep, sigma, sigma_next, out, per_sample, _stride(timestep), _stride(sigma),
         _stride(sigma_next), BLOCK=cfg["BLOCK"], DTYPE=TL_DTYPE[sample.dtype], num_warps=cfg.num_warps,
@@ -97,7 +96,7 @@ def euler_step_bwd(grad: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tens
     if n == 0:
         return gx, gv
     per_sample = n // grad.shape[0]
-    cfg = launch_config("euler_step", grad.dtype, arch_of(grad))
+    cfg = config_for("euler_step", grad)
     _euler_step_bwd_kernel[(-(-per_sample // cfg["BLOCK"]), grad.shape[0])](
         grad, timestep, sigma, sigma_next, gx, gv, per_sample, _stride(timestep), _stride(sigma),
         _stride(sigma_next), BLOCK=cfg["BLOCK"], DTYPE=TL_DTYPE[grad.dtype], num_warps=cfg.num_warps,

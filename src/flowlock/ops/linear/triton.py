@@ -37,10 +37,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flowlock.config import LaunchConfig
+from flowlock.config import LaunchConfig, config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._launch import fast_launch
-from flowlock.ops.segment_sum._configs import config_for
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
 # walks several tiles per program in CPU tests.

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flowlock.config import config_for
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
-from flowlock.ops.segment_sum._configs import config_for
 from flowlock.ops.segment_sum.fold import fold_partials
 
 

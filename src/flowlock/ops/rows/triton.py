@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flowlock.config import config_for
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import memoized_over
-from flowlock.ops.segment_sum._configs import config_for
 
 
 @fast_launch

@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import launch_config
+from flowlock.config import config_for, launch_config
 from flowlock.ops._launch import fast_launch
-from flowlock.ops.segment_sum._configs import config_for
 
 
 @fast_launch

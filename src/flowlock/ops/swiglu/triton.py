@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
-from flowlock.ops.segment_sum._configs import config_for
 
 
 @triton.jit

@@ -23,10 +23,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from flowlock.config import launch_config
+from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._launch import fast_launch
-from flowlock.ops._triton_utils import arch_of
 from flowlock.ops.timestep.reference import HALF, sinusoid_freqs
 
 
@@ -201,7 +200,7 @@ def timestep_sinusoid_fwd(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t.shape[0], 2 * HALF), dtype=torch.float32, device=t.device)
     if t.shape[0] == 0:
         return out
-    cfg = launch_config("timestep_sinusoid", torch.float32, arch_of(t))
+    cfg = config_for("timestep_sinusoid", t)
     _timestep_sinusoid_fwd_kernel[(t.shape[0],)](
         t, sinusoid_freqs(t.device), out, HALF_C=HALF, INTERPRET=interpreter_active(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_reflect_ftz=False)
@@ -214,7 +213,7 @@ def timestep_sinusoid_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     dt = torch.empty_like(t)
     if t.shape[0] == 0:
         return dt
-    cfg = launch_config("timestep_sinusoid", torch.float32, arch_of(t))
+    cfg = config_for("timestep_sinusoid", t)
     _timestep_sinusoid_bwd_kernel[(t.shape[0],)](
         t, sinusoid_freqs(t.device), grad, dt, HALF_C=HALF, LOG2_HALF=HALF.bit_length() - 1,
         INTERPRET=interpreter_active(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -252,7 +251,7 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     h = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
     act = torch.empty_like(h)
     out = torch.empty((rows, embed), dtype=torch.float32, device=x.device)
-    cfg = launch_config("timestep_mlp", torch.float32, arch_of(x))
+    cfg = config_for("timestep_mlp", x)
     interpret = interpreter_active()
     for a, w, bias, pre, dst, n, kk, epilogue in ((x, w1, b1, h, act, hidden, k, 1),
                                                   (act, w2, b2, None, out, embed, hidden, 0)):
@@ -263,12 +262,12 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     return out, h, act
 
 
-def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, arch: str, wg_cfg, interpret: bool):
+def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, wg_cfg, interpret: bool):
     """One backward launch: ``(g @ w, dw, db)`` with ``g @ w`` through ``epilogue`` (``None`` when not
     needed). The GEMV's tiles are keyed by w's shape: d x has only 256 output columns to spread over
     programs, so it takes wider K steps than d act."""
     (rows, k), n = g.shape, w.shape[1]
-    cfg = launch_config("timestep_mlp_t", torch.float32, arch, tuple(w.shape))
+    cfg = config_for("timestep_mlp_t", w, tuple(w.shape))
     din = torch.empty((rows, n), dtype=torch.float32, device=g.device) if needs_input_grad else None
     dw = torch.empty((k, n), dtype=torch.float32, device=g.device)
     db = torch.empty((k,), dtype=torch.float32, device=g.device)
@@ -287,11 +286,10 @@ def timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx: bool = True):
     gradients with ``dh = (grad @ w2)·silu'(h)``, then linear_1's with ``dx = dh @ w1``). dx and dh
     rows are pure; weight and bias gradients are float64 sums over the T rows in ascending order."""
     grad = grad.contiguous()
-    arch = arch_of(grad)
-    wg_cfg = launch_config("timestep_mlp_wgrad", torch.float32, arch)
+    wg_cfg = config_for("timestep_mlp_wgrad", grad)
     interpret = interpreter_active()
-    dh, dw2, db2 = _layer_bwd(grad, w2, act, h, 2, True, arch, wg_cfg, interpret)
-    dx, dw1, db1 = _layer_bwd(dh, w1, x, None, 0, needs_dx, arch, wg_cfg, interpret)
+    dh, dw2, db2 = _layer_bwd(grad, w2, act, h, 2, True, wg_cfg, interpret)
+    dx, dw1, db1 = _layer_bwd(dh, w1, x, None, 0, needs_dx, wg_cfg, interpret)
     return dx, dw1, db1, dw2, db2
 
 
