@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowlock.ops._validate import check_finite_range, check_tensor
+from flowlock.ops._validate import check_finite_range, check_tensor, memoized_over
 from flowlock.ops.euler import euler_step
 from flowlock.rl.ieee_math import log_f64
 from flowlock.rl.reduction import fixed_order_mean
@@ -65,12 +65,30 @@ def _check_state(sample, velocity, sigma, sigma_next) -> None:
     b = sample.shape[0]
     check_tensor("sigma", sigma, dtypes=(torch.float32,), shape=(b,), device=device)
     check_tensor("sigma_next", sigma_next, dtypes=(torch.float32,), shape=(b,), device=device)
-    check_finite_range("sigma", sigma, 0.0, 1.0)
-    check_finite_range("sigma_next", sigma_next, 0.0, 1.0)
-    if bool((sigma <= 0).any()):
-        raise ValueError("sigma must be > 0 (a transition starts from a noisy sample)")
-    if bool((sigma_next > sigma).any()):
-        raise ValueError("sigma_next must be <= sigma for every sample")
+    # One host read-back for all the schedule checks, memoized: a sampler reuses its sigma tensors.
+    error = memoized_over([sigma, sigma_next], "transition_schedule", lambda: _schedule_error(sigma, sigma_next))
+    if error is not None:
+        raise ValueError(error)
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-d float32 tensor of ``value`` made on ``device`` by a fill: ``torch.tensor(value, device=...)``
+    copies from pageable host memory, which stalls the launch queue."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _schedule_error(sigma: torch.Tensor, sigma_next: torch.Tensor) -> str | None:
+    """The first failed check's message: both in [0, 1] and finite, sigma > 0, sigma_next <= sigma."""
+    s, n = torch.stack([sigma, sigma_next]).tolist()
+    for name, values in (("sigma", s), ("sigma_next", n)):
+        bad = next((v for v in values if not (math.isfinite(v) and 0.0 <= v <= 1.0)), None)
+        if bad is not None:
+            return f"{name} values must lie in [0.0, 1.0], found {bad}"
+    if any(v <= 0 for v in s):
+        return "sigma must be > 0 (a transition starts from a noisy sample)"
+    if any(b > a for a, b in zip(s, n)):
+        return "sigma_next must be <= sigma for every sample"
+    return None
 
 
 def _check_target(sample, noise, prev_sample) -> None:
@@ -134,7 +152,7 @@ def cps_step(sample: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, 
     n = sample.ndim
     m = -velocity
     # sin is evaluated once on the host in float64 and rounded: the same float32 on every device.
-    std = sigma_next * torch.tensor(math.sin(eta * math.pi / 2), dtype=torch.float32, device=sample.device)
+    std = sigma_next * _scalar(math.sin(eta * math.pi / 2), sample.device)
     s = _per_sample(sigma, n)
     x0_hat = sample - s * m
     x1_hat = sample + (1.0 - s) * m
@@ -160,12 +178,12 @@ def sde_step(sample: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, 
     b = sample.shape[0]
     check_tensor("sigma_cap", sigma_cap, dtypes=(torch.float32,), shape=(b,), device=sample.device)
     check_finite_range("sigma_cap", sigma_cap, 0.0, 1.0)
-    if bool((sigma_cap >= 1).any()):
+    if memoized_over([sigma_cap], "reaches_one", lambda: bool((sigma_cap >= 1).any())):
         raise ValueError("sigma_cap must be < 1")
     n = sample.ndim
     m = -velocity
     sigma_tilde = torch.where(sigma == 1.0, sigma_cap, sigma)
-    std_t = torch.sqrt(sigma / (1.0 - sigma_tilde)) * torch.tensor(eta, dtype=torch.float32, device=sample.device)
+    std_t = torch.sqrt(sigma / (1.0 - sigma_tilde)) * _scalar(eta, sample.device)
     dt = sigma_next - sigma
     var_t = std_t * std_t
     a = 1.0 + var_t * dt / (2.0 * sigma)
@@ -187,7 +205,9 @@ def ode_step(sample: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, 
     _check_state(sample, velocity, sigma, sigma_next)
     if prev_sample is not None:
         _check_target(sample, None, prev_sample)
-    mean = euler_step(sample, velocity, 1.0 - sigma, sigma, sigma_next)
+    # The schedule was checked above (sigma in (0, 1] makes 1 - sigma a valid timestep): skip the op's
+    # own read-back, which a fresh 1 - sigma would pay every step.
+    mean = euler_step(sample, velocity, 1.0 - sigma, sigma, sigma_next, check_schedule=False)
     next_sample = mean if prev_sample is None else prev_sample
     return TransitionResult(next_sample, mean, torch.zeros_like(sigma), None)
 
