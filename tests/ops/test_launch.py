@@ -44,7 +44,8 @@ def test_fast_launch_reuses_a_kernel_only_for_the_same_specialization():
     for _ in range(3):
         for x, scale, block in cases:
             got = _run(wrapped, x, scale, block)
-            assert torch.equal(got, x * scale + 1.0)
+            # The kernel may fuse the multiply-add, so the eager formula is a closeness check only.
+            torch.testing.assert_close(got, x * scale + 1.0)
             assert torch.equal(got, _run(_affine_kernel, x, scale, block))
     # 1, 16k and odd n specialize differently; so do misalignment and BLOCK; the scale value does not.
     assert len(wrapped._compiled) == 5

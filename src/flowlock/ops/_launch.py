@@ -24,8 +24,6 @@ from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from flowlock.dispatch import interpreter_active
-
 
 class FastLaunch:
     """A ``@triton.jit`` kernel launched through a per-specialization cache of compiled kernels."""
@@ -35,13 +33,14 @@ class FastLaunch:
         if not isinstance(kernel, (JITFunction, InterpretedFunction)):
             raise TypeError(f"fast_launch wraps a @triton.jit kernel, got {type(kernel).__name__}")
         self.kernel = kernel
+        self._interpreted = isinstance(kernel, InterpretedFunction)
         self._compiled: dict[tuple, object] = {}
 
     def __getitem__(self, grid) -> Callable[..., object]:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args: tuple, kwargs: dict) -> object:
-        if interpreter_active() or callable(grid) or knobs.runtime.launch_enter_hook.calls:
+        if self._interpreted or callable(grid) or knobs.runtime.launch_enter_hook.calls:
             return self.kernel[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         binder = self.kernel.device_caches[device][4]
