@@ -45,11 +45,14 @@ def _version(module: str) -> str | None:
 
 
 def environment(device: torch.device) -> dict:
-    """Where and with what a result was measured (``git_dirty`` counts tracked files only)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    """Where and with what a result was measured (``git_dirty`` counts tracked files only; ``None``
+    when FLOWLOCK_COMMIT names the commit, since the copy's own git state is not trusted then)."""
+    named = os.environ.get("FLOWLOCK_COMMIT")
+    status = None if named else _git("status", "--porcelain", "--untracked-files=no")
     env = {
-        # A copied tree without .git (a device machine) names its commit in FLOWLOCK_COMMIT.
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("FLOWLOCK_COMMIT"),
+        # A copied tree on a device machine names its commit in FLOWLOCK_COMMIT; its .git, if any,
+        # can be stale, so the variable wins over git.
+        "git_commit": named or _git("rev-parse", "HEAD"),
         "git_dirty": None if status is None else bool(status),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
