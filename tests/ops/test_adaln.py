@@ -3,6 +3,7 @@ table gradient, row purity, repeatability, and bad inputs refused before any lau
 
 import pytest
 import torch
+from adaln_cases import adaln_params
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormModulation
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,14 +21,6 @@ from flowlock.testing import (
     max_abs_error,
     repeat_failures,
 )
-
-
-def _params(t, e, h, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    temb = torch.randn(t, e, generator=g) * 2
-    weight = (torch.randn(18 * h, e, generator=g) * 0.2).to(torch.bfloat16)
-    bias = (torch.randn(18 * h, generator=g) * 0.2).to(torch.bfloat16)
-    return temb, weight, bias
 
 
 def _indices(s, t, seed=0):
@@ -77,7 +70,7 @@ def _triton_table(*args):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("t,e,h,s", [(1, 20, 24, 1), (2, 36, 40, 7), (3, 20, 24, 33)])
 def test_modulation_bitwise_equals_diffusers_given_the_same_table(backend, t, e, h, s):
-    temb, weight, bias = _params(t, e, h, seed=s)
+    temb, weight, bias = adaln_params(t, e, h, seed=s)
     ti, tag = _indices(s, t, seed=s)
     with flowlock.use_backend(backend):
         table = adaln_table(temb, weight, bias)
@@ -92,7 +85,7 @@ def test_modulation_bitwise_equals_diffusers_given_the_same_table(backend, t, e,
 @given(t=st.integers(1, 3), s=st.integers(1, 40), seed=st.integers(0, 2**16),
        idx32=st.booleans())
 def test_hypothesis_modulation_equals_diffusers_given_table(t, s, seed, idx32):
-    temb, weight, bias = _params(t, 20, 24, seed=seed)
+    temb, weight, bias = adaln_params(t, 20, 24, seed=seed)
     ti, tag = _indices(s, t, seed=seed)
     if idx32:
         ti, tag = ti.int(), tag.int()
@@ -128,7 +121,7 @@ def _reference_modulation(*args):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("t,e,h,s", [(1, 20, 24, 7), (2, 36, 40, 33), (3, 20, 24, 33)])
 def test_forward_and_gradients_within_budget_of_fp64_golden(backend, t, e, h, s):
-    temb, weight, bias = _params(t, e, h, seed=t)
+    temb, weight, bias = adaln_params(t, e, h, seed=t)
     ti, tag = _indices(s, t, seed=t)
     upstream = _upstream(s, h, seed=t)
     fn = _triton_modulation if backend == "triton" else _reference_modulation
@@ -154,7 +147,7 @@ def _two_node_modulation(temb, weight, bias, ti, tag):
 
 def test_one_node_table_gradient_stays_fp32():
     t, e, h, s = 2, 20, 24, 33
-    temb, weight, bias = _params(t, e, h, seed=3)
+    temb, weight, bias = adaln_params(t, e, h, seed=3)
     ti, tag = _indices(s, t, seed=3)
     upstream = _upstream(s, h, seed=3)
     _, grads = _grads(_triton_modulation, temb, weight, bias, ti, tag, upstream)
@@ -167,7 +160,7 @@ def test_one_node_table_gradient_stays_fp32():
 
 
 def test_table_gradients_within_budget():
-    temb, weight, bias = _params(3, 36, 40, seed=5)
+    temb, weight, bias = adaln_params(3, 36, 40, seed=5)
     g = torch.Generator().manual_seed(11)
     upstream = torch.randn(9, 240, generator=g)
     leaves = [x.clone().requires_grad_(True) for x in (temb, weight, bias)]
@@ -200,21 +193,21 @@ def _planted_row_table(weight, bias):
 
 
 def test_table_rows_are_pure_and_harness_catches_planted_split():
-    temb, weight, bias = _params(16, 36, 24, seed=9)
+    temb, weight, bias = adaln_params(16, 36, 24, seed=9)
     assert_batch_invariant(_row_table(weight, bias), temb)
     assert batch_invariance_failures(_planted_row_table(weight, bias), temb), "harness missed a planted split"
 
 
 def test_rows_pure_across_row_tiles():
     # T = 17 spans two 16-row tiles: every row still equals that row computed alone.
-    temb, weight, bias = _params(17, 20, 24, seed=14)
+    temb, weight, bias = adaln_params(17, 20, 24, seed=14)
     table = _triton_table(temb, weight, bias).view(17, -1)
     alone = torch.cat([_triton_table(temb[i:i + 1], weight, bias).view(1, -1) for i in range(17)])
     assert_bitwise_equal(table, alone, "T = 17 vs rows alone")
 
 
 def test_empty_sequence():
-    temb, weight, bias = _params(2, 20, 24, seed=15)
+    temb, weight, bias = adaln_params(2, 20, 24, seed=15)
     empty = torch.zeros(0, dtype=torch.long)
     leaf = temb.clone().requires_grad_(True)
     outs = _triton_modulation(leaf, weight, bias, empty, empty)
@@ -224,7 +217,7 @@ def test_empty_sequence():
 
 
 def test_d_temb_rows_are_pure():
-    temb, weight, bias = _params(16, 20, 24, seed=10)
+    temb, weight, bias = adaln_params(16, 20, 24, seed=10)
     upstream = torch.randn(16, 18 * 24, generator=torch.Generator().manual_seed(2))
 
     def d_temb(rows, grads):
@@ -235,7 +228,7 @@ def test_d_temb_rows_are_pure():
 
 
 def test_gradients_repeatable():
-    temb, weight, bias = _params(3, 20, 24, seed=4)
+    temb, weight, bias = adaln_params(3, 20, 24, seed=4)
     ti, tag = _indices(33, 3, seed=4)
     upstream = _upstream(33, 24, seed=4)
     assert_repeatable(lambda: _grads(_triton_modulation, temb, weight, bias, ti, tag, upstream)[1], runs=20)
@@ -243,7 +236,7 @@ def test_gradients_repeatable():
 
 @pytest.mark.parametrize("trainable", ["temb", "params"])
 def test_backward_skips_unneeded_gradients_without_changing_the_rest(trainable):
-    temb, weight, bias = _params(2, 20, 24, seed=6)
+    temb, weight, bias = adaln_params(2, 20, 24, seed=6)
     ti, tag = _indices(7, 2, seed=6)
     upstream = _upstream(7, 24, seed=6)
     _, full = _grads(_triton_modulation, temb, weight, bias, ti, tag, upstream)
@@ -260,7 +253,7 @@ def test_backward_skips_unneeded_gradients_without_changing_the_rest(trainable):
 
 def test_compiled_equals_eager():
     """torch.compile sees the node as opaque custom ops: same outputs and gradients as eager."""
-    temb, weight, bias = _params(2, 20, 24, seed=13)
+    temb, weight, bias = adaln_params(2, 20, 24, seed=13)
     ti, tag = _indices(7, 2, seed=13)
     upstream = _upstream(7, 24, seed=13)
 
@@ -291,7 +284,7 @@ def test_table_gradient_equals_one_sum_over_the_concatenation():
 def test_eager_calls_launch_directly_with_one_gather(monkeypatch):
     """Eager forward and backward skip the custom ops' dispatcher (host time at small S); the six
     chunks are gathered by one launch."""
-    temb, weight, bias = _params(2, 20, 24, seed=22)
+    temb, weight, bias = adaln_params(2, 20, 24, seed=22)
     ti, tag = _indices(9, 2, seed=22)
     gathers = []
     kernel = adaln_triton._adaln_modulation_fwd_kernel
@@ -308,7 +301,7 @@ def test_eager_calls_launch_directly_with_one_gather(monkeypatch):
 
 def test_repeatability_harness_catches_a_shuffled_fold():
     """Planted defect: d_act's chunk partials folded in a fresh random order on every call."""
-    temb, weight, bias = _params(2, 20, 24, seed=16)
+    temb, weight, bias = adaln_params(2, 20, 24, seed=16)
     grad = torch.randn(2, 18 * 24, generator=torch.Generator().manual_seed(17)) * 1e3
     partials = [g @ w for g, w in zip(grad.split(16, dim=1), weight.float().split(16, dim=0))]
 
@@ -321,7 +314,7 @@ def test_repeatability_harness_catches_a_shuffled_fold():
 
 
 def _bad_cases():
-    temb, weight, bias = _params(2, 20, 24)
+    temb, weight, bias = adaln_params(2, 20, 24)
     ti, tag = _indices(7, 2)
     meta = torch.device("meta")
     # (name, args, error, whether adaln_table alone must refuse it too)

@@ -4,6 +4,7 @@ launch, one fold) equals the per-chunk segment sums it replaced, bit for bit."""
 
 import pytest
 import torch
+from adaln_cases import adaln_params
 from final_adaln_cases import final_adaln_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,14 +17,6 @@ from flowlock.ops.final_adaln import final_adaln_out
 from flowlock.ops.segment_sum.fold import fold_partials
 from flowlock.ops.segment_sum.triton import segment_sum_partials
 from flowlock.testing import assert_bitwise_equal
-
-
-def _params(t, e, h, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    temb = torch.randn(t, e, generator=g) * 2
-    weight = (torch.randn(18 * h, e, generator=g) * 0.2).to(torch.bfloat16)
-    bias = (torch.randn(18 * h, generator=g) * 0.2).to(torch.bfloat16)
-    return temb, weight, bias
 
 
 def _indices(s, t, seed=0, dtype=torch.int64):
@@ -73,7 +66,7 @@ def test_hypothesis_table_gradient_bitwise_equals_the_per_chunk_segment_sums(s, 
 
 def test_backward_is_one_partials_launch_and_one_fold(monkeypatch):
     """No per-chunk segment sum, no index arithmetic on the host: one partials launch, then the fold."""
-    temb, weight, bias = _params(2, 20, 24, seed=3)
+    temb, weight, bias = adaln_params(2, 20, 24, seed=3)
     ti, tag = _indices(70, 2, seed=3)
     launches = []
     kernel = table_grad._adaln_table_grad_partials_kernel
@@ -96,7 +89,7 @@ def _no_apply(monkeypatch, cls):
 
 
 def test_modulation_without_graph_equals_the_node(monkeypatch):
-    temb, weight, bias = _params(3, 20, 24, seed=5)
+    temb, weight, bias = adaln_params(3, 20, 24, seed=5)
     ti, tag = _indices(33, 3, seed=5, dtype=torch.int32)
     with flowlock.use_backend("triton"):
         graph = adaln_modulation(*[x.clone().requires_grad_() for x in (temb, weight, bias)], ti, tag)
@@ -111,7 +104,7 @@ def test_modulation_without_graph_equals_the_node(monkeypatch):
 
 
 def test_table_without_graph_equals_the_node(monkeypatch):
-    temb, weight, bias = _params(2, 36, 40, seed=6)
+    temb, weight, bias = adaln_params(2, 36, 40, seed=6)
     with flowlock.use_backend("triton"):
         graph = adaln_table(*[x.clone().requires_grad_() for x in (temb, weight, bias)])
     _no_apply(monkeypatch, adaln_triton.AdalnTableFunction)
@@ -151,7 +144,7 @@ def test_kernel_rounding_of_the_activation_equals_torch_cast():
     table and every gradient equal those from the BF16 activation."""
     t, e, n = 3, 37, 72
     act = _tie_heavy_activation(t, e, seed=9)
-    temb, weight, bias = _params(t, e, n // 18, seed=9)
+    temb, weight, bias = adaln_params(t, e, n // 18, seed=9)
     grad = torch.randn(t, n, generator=torch.Generator().manual_seed(10))
     with flowlock.use_backend("triton"):
         assert_bitwise_equal(adaln_triton.adaln_table_fwd(act, weight, bias),
@@ -162,7 +155,7 @@ def test_kernel_rounding_of_the_activation_equals_torch_cast():
 
 def test_forward_casts_nothing_on_the_host():
     """SiLU is PyTorch's; its BF16 rounding happens in the projection kernel, not in a cast launch."""
-    temb, weight, bias = _params(2, 20, 24, seed=11)
+    temb, weight, bias = adaln_params(2, 20, 24, seed=11)
     ti, tag = _indices(9, 2, seed=11)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with flowlock.use_backend("triton"), torch.no_grad():

@@ -3,6 +3,7 @@ promises at H3 widths, where FMA contraction and compiled reduction trees would 
 
 import pytest
 import torch
+from rms_norm_cases import modulate_case
 
 from flowlock.ops.gate_residual import gate_residual
 from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
@@ -23,13 +24,7 @@ H, S, R, EPS = 5376, 1031, 6, 1e-5
 
 
 def _case(dtype, lead=(2,), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(*lead, S, H, generator=g) * 3).to(dtype)
-    weight = (1 + 0.3 * torch.randn(H, generator=g)).to(dtype)
-    table = (0.5 * torch.randn(R, 6 * H, generator=g)).to(dtype).float()
-    index = torch.randint(0, R, (S,), generator=g)
-    dy = torch.randn(*lead, S, H, generator=g).to(dtype)
-    return [t.to(DEVICE) for t in (x, weight, table, index, dy)]
+    return modulate_case(lead, S, H, R, dtype, seed, DEVICE)
 
 
 def _grads(fn, leaves, dy):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rms_norm_cases import modulate_case
 
 import flowlock
 from flowlock.config import config_for
@@ -20,19 +21,9 @@ from flowlock.testing import assert_bitwise_equal
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _case(lead, s, h, r, dtype, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(*lead, s, h, generator=g) * 3).to(dtype)
-    weight = (1 + 0.3 * torch.randn(h, generator=g)).to(dtype)
-    table = (0.5 * torch.randn(r, 6 * h, generator=g)).to(dtype).float()
-    index = torch.randint(0, r, (s,), generator=g)
-    dy = torch.randn(*lead, s, h, generator=g).to(dtype)
-    return (t.to(device) for t in (x, weight, table, index, dy))
-
-
 @pytest.mark.parametrize("lead,s,h", [((), 1, 24), ((2,), 7, 40), ((3,), 33, 24)])
 def test_no_graph_output_equals_graph_output(lead, s, h):
-    x, weight, table, index, _ = _case(lead, s, h, 3, torch.bfloat16)
+    x, weight, table, index, _ = modulate_case(lead, s, h, 3, torch.bfloat16)
     shift, scale = table[:, :h], table[:, h:2 * h]
     with flowlock.use_backend("triton"):
         with torch.no_grad():
@@ -66,7 +57,7 @@ def _separate_launches(dy, x, weight, rstd, shift, scale, index):
 
 
 def _shared_fold_equals_separate(lead, s, h, r, dtype, seed, device):
-    x, weight, table, index, dy = _case(lead, s, h, r, dtype, seed, device)
+    x, weight, table, index, dy = modulate_case(lead, s, h, r, dtype, seed, device)
     shift, scale = table[:, :h], table[:, 3 * h:4 * h]
     with flowlock.use_backend("triton"):
         _, rstd = rt.rms_norm_fwd(x, weight, 1e-5, shift, scale, index)
@@ -105,7 +96,7 @@ def test_modulated_backward_launches_norm_pair_partials_and_one_fold(monkeypatch
     for module, name in ((rt, "_rms_norm_bwd_kernel"), (st_module, "_segment_sum_partials_kernel"),
                          (fold_module, "_fold_groups_kernel")):
         monkeypatch.setattr(module, name, _Counted(getattr(module, name), name, log))
-    x, weight, table, index, dy = _case((2,), 33, 24, 3, torch.bfloat16)
+    x, weight, table, index, dy = modulate_case((2,), 33, 24, 3, torch.bfloat16)
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, table)]
     with flowlock.use_backend("triton"):
         h = x.shape[-1]
