@@ -28,6 +28,12 @@ def arch_of(t: torch.Tensor) -> str:
     return device_arch(t.device.index or 0)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side grids: ``triton.cdiv`` is a constexpr function whose host call costs
+    a few microseconds, which small-S launches feel."""
+    return -(-a // b)
+
+
 def dtype_key(dtype: torch.dtype) -> str:
     """Short dtype key used by the launch-config tables."""
     return TORCH_TO_TL_NAME[dtype]

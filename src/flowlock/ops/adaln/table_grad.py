@@ -18,6 +18,7 @@ import triton.language as tl
 from flowlock.config import config_for
 from flowlock.ops._fp_bits import to_f32
 from flowlock.ops._launch import fast_launch
+from flowlock.ops._triton_utils import cdiv
 from flowlock.ops.segment_sum.fold import fold_partials
 
 
@@ -83,11 +84,11 @@ def adaln_modulation_bwd(grads: tuple[torch.Tensor | None, ...], timestep_indice
     s, h = ref.shape
     # The tile rule and the reduction tree are segment_sum's: same config entry, same block, same warps.
     cfg = config_for("segment_sum_partials", ref)
-    tiles = max(triton.cdiv(s, cfg["TILE_ROWS"]), 1)
+    tiles = max(cdiv(s, cfg["TILE_ROWS"]), 1)
     partials = torch.empty((tiles, num_rows, 6 * h), dtype=torch.float32, device=ref.device)
     gs = [ref if g is None else g.contiguous() for g in grads]
     mask = sum(1 << c for c, g in enumerate(grads) if g is not None)
-    _adaln_table_grad_partials_kernel[(tiles, triton.cdiv(h, cfg["BLOCK_N"]))](
+    _adaln_table_grad_partials_kernel[(tiles, cdiv(h, cfg["BLOCK_N"]))](
         *gs, timestep_indices, token_tags, partials, s, h, num_rows, h,
         PRESENT=mask, TILE_ROWS=cfg["TILE_ROWS"], BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

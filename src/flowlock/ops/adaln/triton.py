@@ -20,7 +20,7 @@ from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
-from flowlock.ops._triton_utils import traced
+from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops.adaln.table_grad import adaln_modulation_bwd
 
 
@@ -165,7 +165,7 @@ def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     n = weight.shape[0]
     cfg = config_for("adaln_proj_fwd", weight)
     out = torch.empty((t, n), dtype=torch.float32, device=act.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(t, cfg["BLOCK_T"]))
+    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(t, cfg["BLOCK_T"]))
     _adaln_table_fwd_kernel[grid](act, weight, bias, out, t, n, e,
                                   BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                                   UPCAST=interpreter_active(), num_warps=cfg.num_warps,
@@ -191,21 +191,21 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
         if cfg["CHUNK_N"] % cfg["BLOCK_N"]:
             # A chunk's inner loop would run into the next chunk and count those rows twice.
             raise ValueError(f"adaln_proj_bwd_act: CHUNK_N {cfg['CHUNK_N']} must be a multiple of BLOCK_N")
-        chunks = triton.cdiv(n, cfg["CHUNK_N"])
+        chunks = cdiv(n, cfg["CHUNK_N"])
         partials = torch.empty((chunks, t, e), dtype=torch.float32, device=grad.device)
-        grid = (chunks, triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(e, cfg["BLOCK_K"]))
+        grid = (chunks, cdiv(t, cfg["BLOCK_T"]), cdiv(e, cfg["BLOCK_K"]))
         _adaln_table_bwd_kernel[grid](grad, weight, partials, t, n, e,
                                       BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                                       CHUNK_N=cfg["CHUNK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         d_temb = torch.empty((t, e), dtype=torch.float32, device=grad.device)
         fold_block = 256
-        _adaln_table_bwd_fold_kernel[(triton.cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
+        _adaln_table_bwd_fold_kernel[(cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
                                                                          BLOCK=fold_block)
     if need_params:
         wcfg = config_for("adaln_proj_bwd_weight", weight)
         d_weight = torch.empty((n, e), dtype=torch.bfloat16, device=grad.device)
         d_bias = torch.empty((n,), dtype=torch.bfloat16, device=grad.device)
-        wgrid = (triton.cdiv(n, wcfg["BLOCK_N"]), triton.cdiv(e, wcfg["BLOCK_K"]))
+        wgrid = (cdiv(n, wcfg["BLOCK_N"]), cdiv(e, wcfg["BLOCK_K"]))
         _adaln_table_bwd_weight_kernel[wgrid](grad, act, d_weight, d_bias, t, n, e,
                                               BLOCK_N=wcfg["BLOCK_N"], BLOCK_K=wcfg["BLOCK_K"],
                                               num_warps=wcfg.num_warps, num_stages=wcfg.num_stages)
@@ -218,7 +218,7 @@ def adaln_modulation_fwd(table: torch.Tensor, timestep_indices: torch.Tensor,
     s = timestep_indices.shape[0]
     h = table.shape[1] // 6
     cfg = config_for("adaln_gather", table)
-    grid = (triton.cdiv(s, cfg["BLOCK_S"]), triton.cdiv(h, cfg["BLOCK_H"]))
+    grid = (cdiv(s, cfg["BLOCK_S"]), cdiv(h, cfg["BLOCK_H"]))
     outs = tuple(torch.empty((s, h), dtype=torch.bfloat16, device=table.device) for _ in range(6))
     _adaln_modulation_fwd_kernel[grid](table, timestep_indices, token_tags, *outs, s, h, table.stride(0),
                                        BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg.num_warps)

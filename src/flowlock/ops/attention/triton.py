@@ -39,7 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, launch_config
 from flowlock.ops._launch import fast_launch
-from flowlock.ops._triton_utils import arch_of, traced
+from flowlock.ops._triton_utils import arch_of, cdiv, traced
 from flowlock.ops.attention.reference import LOG2E
 
 
@@ -357,7 +357,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     tma = t.tma and tma_eligible(q) and tma_eligible(k) and tma_eligible(v)
     out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
-    _attention_fwd_kernel[(triton.cdiv(seq, t.block_m), batch * heads)](
+    _attention_fwd_kernel[(cdiv(seq, t.block_m), batch * heads)](
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma), out, lse2,
         seq, heads, scale * LOG2E, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(out),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=arch == "interp", TMA=tma,
@@ -381,7 +381,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq_t = frozen.dq if dq_config is None else _tiles(dq_config)
     eligible = (dkdv_t.tma or dq_t.tma) and all(tma_eligible(t) for t in (q, k, v, dout))
     delta = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
-    _attention_bwd_delta_kernel[(triton.cdiv(seq, frozen.delta.block_m), batch * heads)](
+    _attention_bwd_delta_kernel[(cdiv(seq, frozen.delta.block_m), batch * heads)](
         out, dout, delta, seq, heads, *_sbh(out), *_sbh(dout),
         BLOCK_M=frozen.delta.block_m, HEAD_DIM=dim,
         num_warps=frozen.delta.num_warps, num_stages=frozen.delta.num_stages,
@@ -393,7 +393,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     for t, grid_rows, outputs, kernel in ((dkdv_t, dkdv_t.block_n, (dk, dv), _attention_bwd_dkdv_kernel),
                                           (dq_t, dq_t.block_m, (dq,), _attention_bwd_dq_kernel)):
         tma = t.tma and eligible
-        kernel[(triton.cdiv(seq, grid_rows), batch * heads)](
+        kernel[(cdiv(seq, grid_rows), batch * heads)](
             _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
             _operand(dout, t.block_m, tma), lse2, delta, *outputs, *common, *_sbh(dq),
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=upcast, TMA=tma,

@@ -26,6 +26,7 @@ from triton.language.extra.cuda import libdevice
 from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._launch import fast_launch
+from flowlock.ops._triton_utils import cdiv
 from flowlock.ops.timestep.reference import HALF, sinusoid_freqs
 
 
@@ -235,13 +236,8 @@ class TimestepSinusoidFunction(torch.autograd.Function):
         return timestep_sinusoid_bwd(t, grad)
 
 
-def _cdiv(a: int, b: int) -> int:
-    # Plain integer arithmetic: triton.cdiv is a constexpr function, a few microseconds per host call.
-    return -(-a // b)
-
-
 def _gemv_programs(m: int, n: int, cfg) -> int:
-    return _cdiv(n, cfg["BLOCK_N"]) * _cdiv(m, cfg["ROWS"])
+    return cdiv(n, cfg["BLOCK_N"]) * cdiv(m, cfg["ROWS"])
 
 
 def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -272,7 +268,7 @@ def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, wg_cf
     dw = torch.empty((k, n), dtype=torch.float32, device=g.device)
     db = torch.empty((k,), dtype=torch.float32, device=g.device)
     gemv = _gemv_programs(rows, n, cfg) if needs_input_grad else 0
-    wgrad = _cdiv(k, wg_cfg["BLOCK_N"]) * _cdiv(n, wg_cfg["BLOCK_K"])
+    wgrad = cdiv(k, wg_cfg["BLOCK_N"]) * cdiv(n, wg_cfg["BLOCK_K"])
     _timestep_mlp_bwd_kernel[(gemv + wgrad,)](
         g, w, pre, din, layer_in, dw, db, rows, n, k, gemv, INPUT_GRAD=needs_input_grad, EPILOGUE=epilogue,
         ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], WG_BLOCK_N=wg_cfg["BLOCK_N"],
