@@ -8,7 +8,7 @@ from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.swiglu.reference import swiglu_reference
-from flowlock.ops.swiglu.triton import SwigluFunction, swiglu_fwd
+from flowlock.ops.swiglu.triton import SwigluFunction, swiglu_forward
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -30,4 +30,4 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
         return swiglu_reference(h)
     if needs_graph(h):
         return SwigluFunction.apply(h)
-    return swiglu_fwd(h)
+    return swiglu_forward(h)

@@ -17,6 +17,7 @@ from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
+from flowlock.ops._triton_utils import traced
 
 
 @triton.jit
@@ -88,15 +89,42 @@ def swiglu_bwd(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return dh
 
 
+@torch.library.custom_op("flowlock::swiglu_fwd", mutates_args=())
+def _swiglu_fwd_op(h: torch.Tensor) -> torch.Tensor:
+    """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return swiglu_fwd(h)
+
+
+@_swiglu_fwd_op.register_fake
+def _(h):
+    return h.new_empty(h.shape[:-1] + (h.shape[-1] // 2,))
+
+
+@torch.library.custom_op("flowlock::swiglu_bwd", mutates_args=())
+def _swiglu_bwd_op(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient to ``h`` as one opaque op (see :func:`swiglu_bwd`)."""
+    return swiglu_bwd(h, grad)
+
+
+@_swiglu_bwd_op.register_fake
+def _(h, grad):
+    return h.new_empty(h.shape)
+
+
+def swiglu_forward(h: torch.Tensor) -> torch.Tensor:
+    """The forward as every path runs it: the registered custom op while tracing, else the launcher."""
+    return (_swiglu_fwd_op if traced() else swiglu_fwd)(h)
+
+
 class SwigluFunction(torch.autograd.Function):
     """Autograd boundary of ``swiglu``."""
 
     @staticmethod
     def forward(ctx, h):
         ctx.save_for_backward(h)
-        return swiglu_fwd(h)
+        return swiglu_forward(h)
 
     @staticmethod
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
-        return swiglu_bwd(h, grad)
+        return (_swiglu_bwd_op if traced() else swiglu_bwd)(h, grad)
