@@ -10,7 +10,7 @@ from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.qk_norm_rope.reference import qk_norm_rope_reference
-from flowlock.ops.qk_norm_rope.triton import QkNormRopeFunction, qk_norm_rope_fwd
+from flowlock.ops.qk_norm_rope.triton import QkNormRopeFunction, qk_norm_rope_forward
 
 
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -47,4 +47,4 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
         return qk_norm_rope_reference(x, weight, cos, sin, float(eps))
     if needs_graph(x, weight):
         return QkNormRopeFunction.apply(x, weight, cos, sin, float(eps))
-    return qk_norm_rope_fwd(x, weight, cos, sin, float(eps))
+    return qk_norm_rope_forward(x, weight, cos, sin, float(eps))

@@ -17,6 +17,7 @@ import triton.language as tl
 from flowlock.config import config_for
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
+from flowlock.ops._triton_utils import traced
 from flowlock.ops.segment_sum.fold import fold_partials
 
 
@@ -130,6 +131,36 @@ def qk_norm_rope_bwd(x, weight, cos, sin, eps, grad) -> tuple[torch.Tensor, torc
     return dx, fold_partials(partials).to(weight.dtype)
 
 
+@torch.library.custom_op("flowlock::qk_norm_rope_fwd", mutates_args=())
+def _qk_norm_rope_fwd_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return qk_norm_rope_fwd(x, weight, cos, sin, eps)
+
+
+@_qk_norm_rope_fwd_op.register_fake
+def _(x, weight, cos, sin, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("flowlock::qk_norm_rope_bwd", mutates_args=())
+def _qk_norm_rope_bwd_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                         grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` as one opaque op (see :func:`qk_norm_rope_bwd`)."""
+    return qk_norm_rope_bwd(x, weight, cos, sin, eps, grad)
+
+
+@_qk_norm_rope_bwd_op.register_fake
+def _(x, weight, cos, sin, eps, grad):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def qk_norm_rope_forward(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """The forward as every path runs it: the registered custom op while tracing, else the launcher."""
+    return (_qk_norm_rope_fwd_op if traced() else qk_norm_rope_fwd)(x, weight, cos, sin, eps)
+
+
 class QkNormRopeFunction(torch.autograd.Function):
     """Autograd boundary: gradients to ``x`` and ``weight`` (cos/sin are position tables)."""
 
@@ -137,10 +168,11 @@ class QkNormRopeFunction(torch.autograd.Function):
     def forward(ctx, x, weight, cos, sin, eps):
         ctx.save_for_backward(x, weight, cos, sin)
         ctx.eps = eps
-        return qk_norm_rope_fwd(x, weight, cos, sin, eps)
+        return qk_norm_rope_forward(x, weight, cos, sin, eps)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, cos, sin = ctx.saved_tensors
-        dx, dweight = qk_norm_rope_bwd(x, weight, cos, sin, ctx.eps, grad)
+        bwd = _qk_norm_rope_bwd_op if traced() else qk_norm_rope_bwd
+        dx, dweight = bwd(x, weight, cos, sin, ctx.eps, grad)
         return dx, dweight, None, None, None
