@@ -8,7 +8,7 @@ from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.linear.reference import linear_reference
-from flowlock.ops.linear.triton import LinearFunction, linear_fwd, lookup, tma_alignment_error
+from flowlock.ops.linear.triton import LinearFunction, linear_forward, lookup, tma_alignment_error
 
 _DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = {torch.bfloat16: (torch.bfloat16, torch.float32), torch.float32: (torch.float32,)}
@@ -77,5 +77,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if needs_graph(x, weight, bias):
         out = LinearFunction.apply(x2d, weight, bias, out_dtype, cfg)
     else:
-        out = linear_fwd(x2d, weight, bias, out_dtype, cfg)
+        out = linear_forward(x2d, weight, bias, out_dtype, cfg)
     return out.reshape(*lead, n)

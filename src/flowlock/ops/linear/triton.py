@@ -40,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flowlock.config import LaunchConfig, config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._launch import fast_launch
+from flowlock.ops._triton_utils import traced
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
 # walks several tiles per program in CPU tests.
@@ -376,6 +377,62 @@ def linear_dbias(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
     return out
 
 
+@torch.library.custom_op("flowlock::linear_fwd", mutates_args=())
+def _linear_fwd_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch. It looks
+    up the frozen config itself (a config is no op argument type): the one the API passes."""
+    return linear_fwd(x2d, weight, bias, out_dtype)
+
+
+@_linear_fwd_op.register_fake
+def _(x2d, weight, bias, out_dtype):
+    return x2d.new_empty((x2d.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("flowlock::linear_bwd_dx", mutates_args=())
+def _linear_bwd_dx_op(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX as one opaque op (see :func:`linear_dx`)."""
+    return linear_dx(dy, weight, out_dtype)
+
+
+@_linear_bwd_dx_op.register_fake
+def _(dy, weight, out_dtype):
+    return dy.new_empty((dy.shape[0], weight.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("flowlock::linear_bwd_dw", mutates_args=())
+def _linear_bwd_dw_op(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """dW as one opaque op (see :func:`linear_dw`)."""
+    return linear_dw(dy, x2d, weight, out_dtype)
+
+
+@_linear_bwd_dw_op.register_fake
+def _(dy, x2d, weight, out_dtype):
+    return weight.new_empty(weight.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("flowlock::linear_bwd_dbias", mutates_args=())
+def _linear_bwd_dbias_op(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dBias as one opaque op (see :func:`linear_dbias`)."""
+    return linear_dbias(dy, weight, out_dtype)
+
+
+@_linear_bwd_dbias_op.register_fake
+def _(dy, weight, out_dtype):
+    return weight.new_empty((weight.shape[0],), dtype=out_dtype)
+
+
+def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                   config: LaunchConfig) -> torch.Tensor:
+    """The forward as every path runs it: the registered custom op while tracing (which looks up the
+    same frozen config), else the launcher with ``config``."""
+    if traced():
+        return _linear_fwd_op(x2d, weight, bias, out_dtype)
+    return linear_fwd(x2d, weight, bias, out_dtype, config)
+
+
 class LinearFunction(torch.autograd.Function):
     """Autograd node over 2-D operands: forward, dX, dW and dBias all via the kernels above."""
 
@@ -383,7 +440,7 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, x2d, weight, bias, out_dtype, config):
         ctx.save_for_backward(x2d, weight)
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return linear_fwd(x2d, weight, bias, out_dtype, config)
+        return linear_forward(x2d, weight, bias, out_dtype, config)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -391,10 +448,14 @@ class LinearFunction(torch.autograd.Function):
         x2d, weight = ctx.saved_tensors
         dy = dy.contiguous()
         dx = dw = db = None
+        if traced():
+            dx_fn, dw_fn, db_fn = _linear_bwd_dx_op, _linear_bwd_dw_op, _linear_bwd_dbias_op
+        else:
+            dx_fn, dw_fn, db_fn = linear_dx, linear_dw, linear_dbias
         if ctx.needs_input_grad[0]:
-            dx = linear_dx(dy, weight, x2d.dtype)
+            dx = dx_fn(dy, weight, x2d.dtype)
         if ctx.needs_input_grad[1]:
-            dw = linear_dw(dy, x2d, weight, weight.dtype)
+            dw = dw_fn(dy, x2d, weight, weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = linear_dbias(dy, weight, ctx.bias_dtype)
+            db = db_fn(dy, weight, ctx.bias_dtype)
         return dx, dw, db, None, None
