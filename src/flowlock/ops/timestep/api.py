@@ -11,8 +11,8 @@ from flowlock.ops.timestep.reference import timestep_mlp_reference, timestep_sin
 from flowlock.ops.timestep.triton import (
     TimestepMlpFunction,
     TimestepSinusoidFunction,
-    timestep_mlp_fwd,
-    timestep_sinusoid_fwd,
+    timestep_mlp_forward,
+    timestep_sinusoid_forward,
 )
 
 
@@ -21,7 +21,7 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
-def timestep_sinusoid(t: torch.Tensor) -> torch.Tensor:
+def timestep_sinusoid(t: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
     """H3's timestep embedding: ``(T,)`` float32 in ``[0, 1]`` -> ``(T, 256)`` float32, cos first.
 
     Bitwise equal to diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`` on the
@@ -30,15 +30,18 @@ def timestep_sinusoid(t: torch.Tensor) -> torch.Tensor:
     ``.float()``, and a bf16 timestep near 1 has already lost ~40% of the relative precision of
     ``sigma = 1 - t`` before that upcast, so a narrower ``t`` is a caller bug, not something to absorb.
     H3 consumes timesteps unscaled: values outside ``[0, 1]`` (e.g. ``t·1000``) or NaN raise
-    ``ValueError``. Rows are pure; differentiable to ``t`` (float64 channel terms summed by a fixed
-    pairwise tree, rounded once).
+    ``ValueError``; ``check_range=False`` skips that host read-back for callers that validated ``t``
+    already (torch.compile cannot trace it: compiled callers pass ``False``; dtype, shape, contiguity
+    and device are still checked). Rows are pure; differentiable to ``t`` (float64 channel terms
+    summed by a fixed pairwise tree, rounded once).
     """
     check_tensor("t", t, dtypes=(torch.float32,), ndim=1)
     _contiguous("t", t)
-    check_finite_range("t", t, 0.0, 1.0)
+    if check_range:
+        check_finite_range("t", t, 0.0, 1.0)
     if backend_for("timestep_sinusoid", t) == "triton":
         # Without a graph to record, the launcher Function.forward calls, minus the apply overhead.
-        return TimestepSinusoidFunction.apply(t) if needs_graph(t) else timestep_sinusoid_fwd(t)
+        return TimestepSinusoidFunction.apply(t) if needs_graph(t) else timestep_sinusoid_forward(t)
     return timestep_sinusoid_reference(t)
 
 
@@ -69,6 +72,6 @@ def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
     if backend_for("timestep_mlp", x, w1, b1, w2, b2) == "triton":
         if needs_graph(x, w1, b1, w2, b2):
             return TimestepMlpFunction.apply(x, w1, b1, w2, b2)
-        return timestep_mlp_fwd(x, w1, b1, w2, b2)[0]
+        return timestep_mlp_forward(x, w1, b1, w2, b2)[0]
     return timestep_mlp_reference(x, w1, b1, w2, b2)
 

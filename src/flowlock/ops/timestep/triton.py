@@ -26,7 +26,7 @@ from triton.language.extra.cuda import libdevice
 from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._launch import fast_launch
-from flowlock.ops._triton_utils import cdiv
+from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops.timestep.reference import HALF, sinusoid_freqs
 
 
@@ -222,18 +222,45 @@ def timestep_sinusoid_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return dt
 
 
+@torch.library.custom_op("flowlock::timestep_sinusoid_fwd", mutates_args=())
+def _timestep_sinusoid_fwd_op(t: torch.Tensor) -> torch.Tensor:
+    """The sinusoid as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return timestep_sinusoid_fwd(t)
+
+
+@_timestep_sinusoid_fwd_op.register_fake
+def _(t):
+    return t.new_empty((t.shape[0], 2 * HALF))
+
+
+@torch.library.custom_op("flowlock::timestep_sinusoid_bwd", mutates_args=())
+def _timestep_sinusoid_bwd_op(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``d t`` (see :func:`timestep_sinusoid_bwd`)."""
+    return timestep_sinusoid_bwd(t, grad)
+
+
+@_timestep_sinusoid_bwd_op.register_fake
+def _(t, grad):
+    return t.new_empty(t.shape)
+
+
+def timestep_sinusoid_forward(t: torch.Tensor) -> torch.Tensor:
+    """The forward as every path runs it: the registered custom op while tracing, else the launcher."""
+    return (_timestep_sinusoid_fwd_op if traced() else timestep_sinusoid_fwd)(t)
+
+
 class TimestepSinusoidFunction(torch.autograd.Function):
     """Autograd boundary of ``timestep_sinusoid`` (gradient to ``t``)."""
 
     @staticmethod
     def forward(ctx, t):
         ctx.save_for_backward(t)
-        return timestep_sinusoid_fwd(t)
+        return timestep_sinusoid_forward(t)
 
     @staticmethod
     def backward(ctx, grad):
         (t,) = ctx.saved_tensors
-        return timestep_sinusoid_bwd(t, grad)
+        return (_timestep_sinusoid_bwd_op if traced() else timestep_sinusoid_bwd)(t, grad)
 
 
 def _gemv_programs(m: int, n: int, cfg) -> int:
@@ -289,16 +316,54 @@ def timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx: bool = True):
     return dx, dw1, db1, dw2, db2
 
 
+@torch.library.custom_op("flowlock::timestep_mlp_fwd", mutates_args=())
+def _timestep_mlp_fwd_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                         b2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, h, act)`` of both layers as one opaque op (see :func:`timestep_mlp_fwd`)."""
+    return timestep_mlp_fwd(x, w1, b1, w2, b2)
+
+
+@_timestep_mlp_fwd_op.register_fake
+def _(x, w1, b1, w2, b2):
+    hidden = (x.shape[0], w1.shape[0])
+    return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty(hidden), x.new_empty(hidden)
+
+
+@torch.library.custom_op("flowlock::timestep_mlp_bwd", mutates_args=())
+def _timestep_mlp_bwd_op(grad: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
+                         act: torch.Tensor, needs_dx: bool) -> list[torch.Tensor]:
+    """``[dx, dw1, db1, dw2, db2]``, without ``dx`` when ``needs_dx`` is false (an op cannot return
+    ``None``; the launches are :func:`timestep_mlp_bwd`'s, which skips d x's GEMV then)."""
+    grads = timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx=needs_dx)
+    return list(grads if needs_dx else grads[1:])
+
+
+@_timestep_mlp_bwd_op.register_fake
+def _(grad, x, w1, w2, h, act, needs_dx):
+    params = [w1.new_empty(w1.shape), w1.new_empty((w1.shape[0],)), w2.new_empty(w2.shape),
+              w2.new_empty((w2.shape[0],))]
+    return [x.new_empty(x.shape), *params] if needs_dx else params
+
+
+def timestep_mlp_forward(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as every path runs it: the registered custom op while tracing, else the launcher."""
+    return (_timestep_mlp_fwd_op if traced() else timestep_mlp_fwd)(x, w1, b1, w2, b2)
+
+
 class TimestepMlpFunction(torch.autograd.Function):
     """Autograd boundary of ``timestep_mlp`` (gradients to x and every weight and bias)."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2):
-        out, h, act = timestep_mlp_fwd(x, w1, b1, w2, b2)
+        out, h, act = timestep_mlp_forward(x, w1, b1, w2, b2)
         ctx.save_for_backward(x, w1, w2, h, act)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, w1, w2, h, act = ctx.saved_tensors
-        return timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx=ctx.needs_input_grad[0])
+        needs_dx = ctx.needs_input_grad[0]
+        if not traced():
+            return timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx=needs_dx)
+        grads = _timestep_mlp_bwd_op(grad, x, w1, w2, h, act, needs_dx)
+        return tuple(grads) if needs_dx else (None, *grads)
