@@ -11,7 +11,7 @@ from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
 from flowlock.ops._validate import FLOAT_DTYPES, _memoized, check_tensor
 from flowlock.ops.euler.reference import euler_step_reference
-from flowlock.ops.euler.triton import EulerStepFunction, euler_step_fwd
+from flowlock.ops.euler.triton import EulerStepFunction, euler_step_forward
 
 
 def _per_sample_scalar(name: str, v: object, batch: int, device: torch.device) -> torch.Tensor:
@@ -71,8 +71,9 @@ def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Ten
         sigma_next: float32, 0-d or ``(B,)``, in ``[0, sigma]``: the next grid sigma.
         check_schedule: range-check the three schedule tensors (one host read-back unless these
             exact tensors were checked before, unchanged); pass ``False`` only for values already
-            validated (a sampler that checked its whole schedule once). Dtype, shape and device are
-            always checked.
+            validated (a sampler that checked its whole schedule once; torch.compile cannot trace
+            the read-back, so compiled callers pass ``False``). Dtype, shape and device are always
+            checked.
 
     A 1-D schedule argument always indexes samples (dim 0 of ``sample``) and is reshaped to
     ``(B, 1, ..., 1)`` explicitly; any other length is a ``ValueError``, never a broadcast over
@@ -98,6 +99,6 @@ def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Ten
     if backend == "triton":
         if needs_graph(sample, velocity):
             return EulerStepFunction.apply(sample, velocity, timestep, sigma, sigma_next)
-        return euler_step_fwd(sample, velocity, timestep, sigma, sigma_next)
+        return euler_step_forward(sample, velocity, timestep, sigma, sigma_next)
     return euler_step_reference(sample, velocity, timestep.expand(batch), sigma.expand(batch),
                                 sigma_next.expand(batch))

@@ -16,6 +16,7 @@ import triton.language as tl
 from flowlock.config import config_for
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
+from flowlock.ops._triton_utils import traced
 
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -104,6 +105,36 @@ def euler_step_bwd(grad: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tens
     return gx, gv
 
 
+@torch.library.custom_op("flowlock::euler_step_fwd", mutates_args=())
+def _euler_step_fwd_op(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
+                       sigma_next: torch.Tensor) -> torch.Tensor:
+    """The step as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
+    return euler_step_fwd(sample, velocity, timestep, sigma, sigma_next)
+
+
+@_euler_step_fwd_op.register_fake
+def _(sample, velocity, timestep, sigma, sigma_next):
+    return sample.new_empty(sample.shape)
+
+
+@torch.library.custom_op("flowlock::euler_step_bwd", mutates_args=())
+def _euler_step_bwd_op(grad: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
+                       sigma_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d sample, d velocity)`` (see :func:`euler_step_bwd`)."""
+    return euler_step_bwd(grad, timestep, sigma, sigma_next)
+
+
+@_euler_step_bwd_op.register_fake
+def _(grad, timestep, sigma, sigma_next):
+    return grad.new_empty(grad.shape), grad.new_empty(grad.shape)
+
+
+def euler_step_forward(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
+                       sigma_next: torch.Tensor) -> torch.Tensor:
+    """The forward as every path runs it: the registered custom op while tracing, else the launcher."""
+    return (_euler_step_fwd_op if traced() else euler_step_fwd)(sample, velocity, timestep, sigma, sigma_next)
+
+
 class EulerStepFunction(torch.autograd.Function):
     """Autograd boundary: first-order gradients to ``sample`` and ``velocity`` only (the schedule
     scalars are constants of the sampler)."""
@@ -111,9 +142,9 @@ class EulerStepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sample, velocity, timestep, sigma, sigma_next):
         ctx.save_for_backward(timestep, sigma, sigma_next)
-        return euler_step_fwd(sample, velocity, timestep, sigma, sigma_next)
+        return euler_step_forward(sample, velocity, timestep, sigma, sigma_next)
 
     @staticmethod
     def backward(ctx, grad):
-        gx, gv = euler_step_bwd(grad, *ctx.saved_tensors)
+        gx, gv = (_euler_step_bwd_op if traced() else euler_step_bwd)(grad, *ctx.saved_tensors)
         return gx, gv, None, None, None
