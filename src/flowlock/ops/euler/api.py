@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
-from flowlock.ops._validate import FLOAT_DTYPES, _memoized, check_tensor
+from flowlock.ops._validate import FLOAT_DTYPES, check_tensor, memoized_over
 from flowlock.ops.euler.reference import euler_step_reference
 from flowlock.ops.euler.triton import EulerStepFunction, euler_step_forward
 
@@ -39,22 +38,12 @@ def _schedule_error(timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: tor
     return None
 
 
-def _stamp(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())
-
-
 def _check_schedule(timestep: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
-    """Range checks of the schedule scalars, memoized on ``timestep`` (storage and version, via the
-    shared memo) together with the exact ``sigma`` and ``sigma_next`` last seen with it (weak
-    references plus storage and version), so a sampler that reuses its schedule tensors pays the
-    read-back once and fresh tensors pay one read-back per call. The slot is one mutable entry per
-    ``timestep``, overwritten when the partners change, so it never grows."""
-    slot = _memoized(timestep, "euler_schedule", lambda: [None, None, None])
-    refs, stamps, error = slot
-    partners = (_stamp(sigma), _stamp(sigma_next))
-    if refs is None or refs[0]() is not sigma or refs[1]() is not sigma_next or stamps != partners:
-        error = _schedule_error(timestep, sigma, sigma_next)
-        slot[:] = [(weakref.ref(sigma), weakref.ref(sigma_next)), partners, error]
+    """Range checks of the schedule scalars, memoized over the three tensors (identity, storage and
+    version): a sampler that reuses its schedule tensors pays the read-back once, fresh tensors pay
+    one read-back per call."""
+    error = memoized_over([timestep, sigma, sigma_next], "euler_schedule",
+                          lambda: _schedule_error(timestep, sigma, sigma_next))
     if error is not None:
         raise ValueError(error)
 
