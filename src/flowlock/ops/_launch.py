@@ -17,12 +17,31 @@ profiler such as proton), every launch takes Triton's own path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from triton import knobs
+from triton.backends.nvidia.driver import CudaLauncher
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
+
+
+def launch_plan(compiled: object) -> tuple[Callable[..., object], tuple]:
+    """``(launch, head)`` with ``launch(gx, gy, gz, stream, *head, *args)`` launching ``compiled`` as its
+    own ``compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None,
+    *args)`` does when no launch hook is installed.
+
+    A CUDA launcher without scratch buffers is skipped: its ``__call__`` only allocates no scratch and
+    passes the kernel's fixed cooperative-grid and PDL flags on to its C ``launch``, so calling that
+    directly saves a Python frame and two closures per launch. Any other launcher (global or profile
+    scratch to allocate per grid, another backend) is called as Triton calls it.
+    """
+    run = compiled.run
+    if isinstance(run, CudaLauncher) and run.global_scratch_size == 0 and run.profile_scratch_size == 0:
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                            compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class FastLaunch:
@@ -34,26 +53,29 @@ class FastLaunch:
             raise TypeError(f"fast_launch wraps a @triton.jit kernel, got {type(kernel).__name__}")
         self.kernel = kernel
         self._interpreted = isinstance(kernel, InterpretedFunction)
-        self._compiled: dict[tuple, object] = {}
+        # key -> (compiled kernel, launch, head): see launch_plan.
+        self._compiled: dict[tuple, tuple] = {}
 
     def __getitem__(self, grid) -> Callable[..., object]:
-        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+        # A partial calls _launch without an extra Python frame for the launch arguments.
+        return functools.partial(self._launch, grid)
 
-    def _launch(self, grid, args: tuple, kwargs: dict) -> object:
+    def _launch(self, grid, *args, **kwargs) -> object:
         if self._interpreted or callable(grid) or knobs.runtime.launch_enter_hook.calls:
             return self.kernel[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
-        binder = self.kernel.device_caches[device][4]
-        bound, specialization, options = binder(*args, **kwargs)
+        # torch.cuda.current_device() minus its Python wrapper (the C call initializes CUDA itself).
+        device = torch._C._cuda_getDevice()
+        bound, specialization, options = self.kernel.device_caches[device][4](*args, **kwargs)
         key = (device, tuple(specialization), tuple(options.items()))
-        compiled = self._compiled.get(key)
-        if compiled is None:
+        entry = self._compiled.get(key)
+        if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            self._compiled[key] = compiled
+            self._compiled[key] = (compiled, *launch_plan(compiled))
             return compiled
-        dims = tuple(grid) + (1, 1)
-        compiled.run(dims[0], dims[1], dims[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *bound.values())
+        compiled, launch, head = entry
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        n = len(grid)
+        launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *head, *bound.values())
         return compiled
 
 

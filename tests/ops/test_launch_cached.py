@@ -1,0 +1,126 @@
+"""flowlock.ops._launch's cached-hit path, on CPU: a compiled JITFunction's launcher is faked, so the
+key, the launch plan and the hit path's arguments are checked without a GPU."""
+
+import pytest
+import torch
+import triton.language as tl
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaLauncher
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from flowlock.ops._launch import FastLaunch, launch_plan
+
+
+def _affine(x, y, n, scale, B: tl.constexpr):
+    offs = tl.program_id(0) * B + tl.arange(0, B)
+    tl.store(y + offs, tl.load(x + offs, mask=offs < n) * scale, mask=offs < n)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def _cuda_launcher(global_scratch=0, profile_scratch=0, cooperative=False, pdl=True):
+    """A CudaLauncher with its metadata set and its C ``launch`` replaced by a recorder."""
+    launcher = CudaLauncher.__new__(CudaLauncher)
+    launcher.num_ctas = 1
+    launcher.global_scratch_size, launcher.global_scratch_align = global_scratch, 8
+    launcher.profile_scratch_size, launcher.profile_scratch_align = profile_scratch, 8
+    launcher.launch_cooperative_grid, launcher.launch_pdl = cooperative, pdl
+    launcher.launch = _Recorder()
+    return launcher
+
+
+class _Compiled:
+    def __init__(self, run):
+        self.run, self.function, self.packed_metadata = run, 0xF00, (4, 1, 0)
+
+
+@pytest.mark.parametrize("cooperative,pdl", [(False, False), (True, False), (False, True)])
+def test_plan_calls_the_c_launch_exactly_as_the_launcher_call_does(cooperative, pdl):
+    x = torch.ones(3)
+    compiled = _Compiled(_cuda_launcher(cooperative=cooperative, pdl=pdl))
+    compiled.run(5, 2, 1, 77, compiled.function, compiled.packed_metadata, None, None, None, x, 3, 2.0)
+    launch, head = launch_plan(compiled)
+    assert launch is compiled.run.launch
+    launch(5, 2, 1, 77, *head, x, 3, 2.0)
+    via_call, direct = compiled.run.launch.calls
+    assert via_call == direct
+
+
+@pytest.mark.parametrize("scratch", [dict(global_scratch=64), dict(profile_scratch=64)])
+def test_plan_keeps_the_launcher_call_where_it_allocates_scratch(scratch):
+    compiled = _Compiled(_cuda_launcher(**scratch))
+    assert launch_plan(compiled) == (compiled.run, (0xF00, (4, 1, 0), None, None, None))
+
+
+def test_plan_keeps_the_call_of_a_launcher_of_another_kind():
+    compiled = _Compiled(_Recorder())
+    launch, head = launch_plan(compiled)
+    launch(1, 1, 1, 0, *head, "arg")
+    assert compiled.run.calls == [(1, 1, 1, 0, 0xF00, (4, 1, 0), None, None, None, "arg")]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A compiled-mode JITFunction whose compiles are recorded fakes, device 0, stream 77."""
+    kernel = JITFunction(_affine)
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    kernel.device_caches[0] = ({}, {}, GPUTarget("cuda", 90, 32), backend,
+                               create_function_from_signature(kernel.signature, kernel.params, backend))
+    compiles = []
+
+    def compile_and_launch(*args, grid, warmup, **kwargs):
+        compiled = _Compiled(_cuda_launcher())
+        compiles.append((grid, args, kwargs, compiled))
+        return compiled
+
+    monkeypatch.setattr(kernel, "run", compile_and_launch)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    return kernel, compiles
+
+
+def test_hit_launches_the_cached_kernel_with_the_bound_arguments(fake_cuda):
+    kernel, compiles = fake_cuda
+    wrapped = FastLaunch(kernel)
+    base = torch.zeros(64)
+    x, y = base[:32], base[32:]
+    first = wrapped[(2,)](x, y, 32, 2.0, B=16, num_warps=4)
+    assert len(compiles) == 1 and compiles[0][3] is first and not first.run.launch.calls
+    again = wrapped[(3, 2)](x, y, 32, -1.5, B=16, num_warps=4)
+    assert again is first and len(compiles) == 1
+    assert first.run.launch.calls == [(3, 2, 1, 77, 0xF00, False, True, None, None, (4, 1, 0), None, None, None,
+                                       x, y, 32, -1.5, 16)]
+
+
+def test_each_specialization_compiles_once(fake_cuda):
+    kernel, compiles = fake_cuda
+    wrapped = FastLaunch(kernel)
+    base = torch.zeros(4096 + 8)
+    # n = 1, divisible by 16, odd; an aligned and a misaligned pointer; another constexpr; other options.
+    calls = [((base[:1], base, 1, 2.0), dict(B=16)), ((base[:16], base, 16, 2.0), dict(B=16)),
+             ((base[:17], base, 17, 2.0), dict(B=16)), ((base[1:18], base, 17, 2.0), dict(B=16)),
+             ((base[:16], base, 16, 2.0), dict(B=32)), ((base[:16], base, 16, 2.0), dict(B=16, num_warps=8))]
+    for _ in range(3):
+        for args, kwargs in calls:
+            wrapped[(1,)](*args, **kwargs)
+    assert len(compiles) == len(calls) == len(wrapped._compiled)
+    assert all(len(c[3].run.launch.calls) == 2 for c in compiles)
+
+
+def test_a_launch_hook_or_a_callable_grid_takes_tritons_path(fake_cuda, monkeypatch):
+    kernel, compiles = fake_cuda
+    wrapped = FastLaunch(kernel)
+    x = torch.zeros(16)
+    wrapped[(1,)](x, x, 16, 2.0, B=16)
+    wrapped[lambda meta: (1,)](x, x, 16, 2.0, B=16)
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    wrapped[(1,)](x, x, 16, 2.0, B=16)
+    assert len(compiles) == 3 and not compiles[0][3].run.launch.calls
