@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -183,21 +184,28 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
     return rows
 
 
-# Sweep candidates (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), most informative first: the frozen tiles
-# with and without TMA, then other tiles. The last of each kernel exceed the 227 KB of shared memory an sm90
-# program may use (measured by compiling offline for sm90): kept to show the error, timed last.
+# Sweep candidates (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DP_FIRST), most informative first: the
+# frozen tiles, then dK/dV with 32-row query blocks (the 64-row ones need all 255 registers and spill),
+# the backward with dP issued before the exponentials, then other tiles and stage counts. The
+# last of each kernel exceed the 227 KB of shared memory an sm90 program may use (measured by compiling
+# offline for sm90): kept to show the error, timed last. DP_FIRST does not apply to the forward.
 SWEEP_CANDIDATES = {
-    "fwd": [(128, 128, 8, 3, 1), (128, 128, 8, 3, 0), (128, 64, 8, 3, 1), (128, 64, 4, 3, 1), (128, 128, 8, 2, 1),
-            (128, 128, 8, 4, 1)],
-    "dkdv": [(64, 128, 8, 3, 1), (64, 128, 8, 3, 0), (64, 64, 4, 3, 1), (128, 128, 8, 3, 1)],
-    "dq": [(128, 64, 8, 4, 1), (128, 64, 8, 4, 0), (128, 64, 8, 3, 1), (128, 128, 8, 2, 1), (128, 128, 8, 3, 1)],
+    "fwd": [(128, 128, 8, 3, 1, 0), (128, 128, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0), (128, 64, 4, 3, 1, 0),
+            (128, 128, 8, 2, 1, 0), (128, 128, 8, 4, 1, 0)],
+    "dkdv": [(64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 1), (32, 128, 8, 4, 1, 0),
+             (32, 128, 8, 4, 1, 1), (64, 128, 8, 3, 1, 1), (32, 128, 8, 2, 1, 0), (64, 128, 8, 3, 0, 0),
+             (128, 128, 8, 3, 1, 0)],
+    "dq": [(128, 64, 8, 4, 1, 0), (128, 64, 8, 4, 1, 1), (128, 64, 8, 3, 1, 1), (128, 64, 8, 3, 1, 0),
+           (128, 64, 8, 2, 1, 1), (64, 64, 4, 3, 1, 1), (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 0, 0),
+           (128, 128, 8, 3, 1, 0)],
 }
 
 
-def sweep_order() -> list[tuple[str, tuple[int, ...]]]:
-    """Candidates interleaved across kernels by rank, so a time budget cuts the least informative."""
-    depth = max(len(c) for c in SWEEP_CANDIDATES.values())
-    return [(kernel, cands[i]) for i in range(depth) for kernel, cands in SWEEP_CANDIDATES.items() if i < len(cands)]
+def sweep_order(kernels: Sequence[str] = tuple(SWEEP_CANDIDATES)) -> list[tuple[str, tuple[int, ...]]]:
+    """Candidates of ``kernels`` interleaved by rank, so a time budget cuts the least informative."""
+    chosen = {k: SWEEP_CANDIDATES[k] for k in kernels}
+    depth = max(len(c) for c in chosen.values())
+    return [(kernel, cands[i]) for i in range(depth) for kernel, cands in chosen.items() if i < len(cands)]
 
 
 def frozen_config(op: str, dim: int, tma: int):
@@ -235,8 +243,9 @@ class SweepCase:
     def call(self, kernel: str, cand: tuple[int, ...]):
         from flowlock.config import LaunchConfig
 
-        bm, bn, warps, stages, tma = cand
-        cfg = LaunchConfig((("BLOCK_M", bm), ("BLOCK_N", bn), ("TMA", tma)), num_warps=warps, num_stages=stages)
+        bm, bn, warps, stages, tma, dp_first = cand
+        cfg = LaunchConfig((("BLOCK_M", bm), ("BLOCK_N", bn), ("DP_FIRST", dp_first), ("TMA", tma)),
+                           num_warps=warps, num_stages=stages)
         if kernel == "fwd":
             return lambda: self._fwd(self.q, self.k, self.v, self.scale, cfg)
         dkdv = cfg if kernel == "dkdv" else frozen_config("attention_bwd_dkdv", self.dim, tma)
@@ -263,7 +272,7 @@ def _precompile(args) -> list[str]:
     return errors
 
 
-def precompile(seq: int, heads: int, dim: int, jobs: int, timeout_s: float = 90.0) -> float:
+def precompile(seq: int, heads: int, dim: int, jobs: int, kernels: Sequence[str], timeout_s: float = 90.0) -> float:
     """Compile every candidate in ``jobs`` worker processes (Triton compiles serially within one
     process); the timing pass then loads them from the cache. Workers still busy after
     ``timeout_s`` are left to finish on their own. Returns the seconds spent."""
@@ -271,7 +280,7 @@ def precompile(seq: int, heads: int, dim: int, jobs: int, timeout_s: float = 90.
     from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.time()
-    order = sweep_order()
+    order = sweep_order(kernels)
     shares = [(seq, heads, dim, order[i::jobs]) for i in range(jobs)]
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
     try:
@@ -295,14 +304,15 @@ def window_ms(fn, calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def sweep(seq: int, heads: int, dim: int, windows: int, calls: int, budget_s: float, record) -> None:
+def sweep(seq: int, heads: int, dim: int, windows: int, calls: int, budget_s: float, record,
+          kernels: Sequence[str]) -> None:
     """Time every candidate (median of ``windows`` windows of ``calls`` calls after one warm-up call)
     and ``record(row)`` each at once; candidates left when ``budget_s`` has passed are recorded as
     skipped."""
     t0 = time.time()
     case = SweepCase(seq, heads, dim)
-    for kernel, cand in sweep_order():
-        row = {"seq": seq, "kernel": kernel, "cfg": list(cand[:4]), "tma": bool(cand[4])}
+    for kernel, cand in sweep_order(kernels):
+        row = {"seq": seq, "kernel": kernel, "cfg": list(cand[:4]), "tma": bool(cand[4]), "dp_first": bool(cand[5])}
         if time.time() - t0 > budget_s:
             record({**row, "skipped": f"sweep budget of {budget_s:.0f} s spent"})
             continue
@@ -364,7 +374,7 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
     fns = {"fwd": kernels._attention_fwd_kernel, "dkdv": kernels._attention_bwd_dkdv_kernel,
            "dq": kernels._attention_bwd_dq_kernel}
     rows = []
-    for kernel, (bm, bn, warps, stages, tma) in sweep_order():
+    for kernel, (bm, bn, warps, stages, tma, dp_first) in sweep_order():
         fn = fns[kernel].kernel
         boxes = {"Q": bm, "dOut": bm, "K": bn, "V": bn}
         sig, hints = {}, {}
@@ -382,8 +392,10 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
             if sig[name].startswith("*") or name.startswith("stride"):
                 hints[(i,)] = [["tt.divisibility", 16]]
         consts = {"BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": dim, "UPCAST": False, "TMA": bool(tma)}
+        if kernel != "fwd":
+            consts["DP_FIRST"] = bool(dp_first)
         sig.update(dict.fromkeys(consts, "constexpr"))
-        row = {"kernel": kernel, "cfg": [bm, bn, warps, stages], "tma": bool(tma)}
+        row = {"kernel": kernel, "cfg": [bm, bn, warps, stages], "tma": bool(tma), "dp_first": bool(dp_first)}
         try:
             compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, hints),
                                       target=GPUTarget("cuda", capability, 128),
@@ -418,6 +430,8 @@ def main() -> None:
                         help="sequence lengths (comma-separated) for a config sweep; empty: none")
     parser.add_argument("--sweep-budget-s", type=float, default=110.0,
                         help="stop starting sweep candidates after this many seconds (per sequence length)")
+    parser.add_argument("--sweep-kernels", default=",".join(SWEEP_CANDIDATES),
+                        help=f"comma-separated subset of {tuple(SWEEP_CANDIDATES)} to sweep")
     parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
     parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "sweep"),
                         help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
@@ -450,6 +464,9 @@ def main() -> None:
               "cudnn": torch.backends.cudnn.version(), "heads": args.heads, "dim": args.dim}
     seqs = [int(s) for s in args.seqs.split(",") if s]
     sweep_seqs = [int(s) for s in args.sweep.split(",") if s]
+    kernels = [k for k in args.sweep_kernels.split(",") if k]
+    if set(kernels) - set(SWEEP_CANDIDATES):
+        parser.error(f"unknown sweep kernels {sorted(set(kernels) - set(SWEEP_CANDIDATES))}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -461,7 +478,8 @@ def main() -> None:
         rows = report["sweep"] = []
         for seq in sweep_seqs:
             if args.sweep_jobs > 0:
-                report[f"sweep_precompile_s_{seq}"] = precompile(seq, args.heads, args.dim, args.sweep_jobs)
+                report[f"sweep_precompile_s_{seq}"] = precompile(seq, args.heads, args.dim, args.sweep_jobs,
+                                                                 kernels)
                 save()
 
             def record(row: dict) -> None:
@@ -469,7 +487,8 @@ def main() -> None:
                 print("sweep", json.dumps(row), flush=True)
                 save()
 
-            sweep(seq, args.heads, args.dim, windows=3, calls=3, budget_s=args.sweep_budget_s, record=record)
+            sweep(seq, args.heads, args.dim, windows=3, calls=3, budget_s=args.sweep_budget_s, record=record,
+                  kernels=kernels)
             torch.cuda.empty_cache()
         return rows
 

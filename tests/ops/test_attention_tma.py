@@ -18,8 +18,9 @@ from flowlock.testing import assert_bitwise_equal, bitwise_equal
 SCALE = 0.3
 
 
-def _cfg(block_m, block_n, tma):
-    return LaunchConfig((("BLOCK_M", block_m), ("BLOCK_N", block_n), ("TMA", int(tma))), num_warps=4)
+def _cfg(block_m, block_n, tma, dp_first=0):
+    return LaunchConfig((("BLOCK_M", block_m), ("BLOCK_N", block_n), ("DP_FIRST", dp_first), ("TMA", int(tma))),
+                        num_warps=4)
 
 
 def _fused(b, s, h, d, seed):
@@ -70,6 +71,15 @@ def test_variant_comparison_catches_planted_fold_order():
     inputs = _fused(1, 33, 1, 32, seed=2)
     planted = (_cfg(16, 16, 1), *TMA[1:])
     assert _variant_mismatches(inputs, POINTER, planted), "comparison missed a plant"
+
+
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("b,s,h", [(1, 1, 1), (2, 33, 2)])
+def test_dp_first_order_gives_the_same_bits(b, s, h, tma):
+    """Issuing dP before the exponentials (a scheduling choice for the tensor cores) changes no value."""
+    inputs = _fused(b, s, h, 32, seed=s + tma)
+    early = (_cfg(16, 32, tma), _cfg(16, 16, tma, dp_first=1), _cfg(32, 16, tma, dp_first=1))
+    assert _variant_mismatches(inputs, early, TMA if tma else POINTER) == []
 
 
 @settings(max_examples=4, deadline=None)

@@ -170,7 +170,7 @@ def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
 def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
                   stride_qs, stride_ds, qk_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+                  MASK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     q = _load_rows(q_src, b, col, start_m, seq, stride_qs, BLOCK_M, HEAD_DIM, MASK_M, TMA)
     do = _load_rows(do_src, b, col, start_m, seq, stride_ds, BLOCK_M, HEAD_DIM, MASK_M, TMA)
@@ -183,9 +183,14 @@ def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, sta
         lse = tl.load(lse_base + start_m + offs_m)
         delta = tl.load(delta_base + start_m + offs_m)
     qk_t = _mma(k, tl.trans(q), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
+    # DP_FIRST issues the independent dP product before the exponentials, so the tensor cores can
+    # run while the SFU computes P; the values and their order are the same either way
+    if DP_FIRST:
+        dp_t = _mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
     p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
     dv = _mma(p_t.to(k.dtype), do, dv, UPCAST)
-    dp_t = _mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
+    if not DP_FIRST:
+        dp_t = _mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
     ds_t = p_t * (dp_t - delta[None, :])
     dk = _mma(ds_t.to(k.dtype), q, dk, UPCAST)
     return dk, dv
@@ -198,7 +203,7 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
                                stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                                stride_gb, stride_gs, stride_gh,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               UPCAST: tl.constexpr, TMA: tl.constexpr):
+                               UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
     """One program per (KV block, sample * heads) owns its dK, dV rows; query blocks ascend.
     ``dK`` and ``dV`` share the strides ``stride_g*``; ``Q``, ``K``, ``V``, ``dOut`` are
     descriptors when ``TMA``."""
@@ -223,10 +228,10 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
     m_full = (seq // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA)
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA, DP_FIRST)
     if m_full < seq:
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, m_full, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA)
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA, DP_FIRST)
     g_off = b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
     tl.store(_rows(dK + g_off, start_n, offs_n, stride_gs, HEAD_DIM),
              (dk * sm_scale).to(dK.dtype.element_ty), mask=row_ok[:, None])
@@ -237,14 +242,17 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
 @triton.jit
 def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs, qk_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
     k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, HEAD_DIM, MASK_N, TMA)
     v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, HEAD_DIM, MASK_N, TMA)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
+    if DP_FIRST:
+        dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK_N:
         p = tl.where(((start_n + tl.arange(0, BLOCK_N)) < seq)[None, :], p, 0.0)
-    dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
+    if not DP_FIRST:
+        dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     ds = p * (dp - delta[:, None])
     return _mma(ds.to(k.dtype), k, dq, UPCAST)
 
@@ -256,7 +264,7 @@ def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scal
                              stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                              stride_gb, stride_gs, stride_gh,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             UPCAST: tl.constexpr, TMA: tl.constexpr):
+                             UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
     """One program per (query block, sample * heads) owns its dQ rows; KV blocks ascend
     (``P`` and ``dP`` are recomputed rather than accumulated across programs). ``Q``, ``K``,
     ``V``, ``dOut`` are descriptors when ``TMA``."""
@@ -280,10 +288,10 @@ def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scal
     n_full = (seq // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA)
+                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA, DP_FIRST)
     if n_full < seq:
         dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, n_full, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA)
+                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA, DP_FIRST)
     tl.store(_rows(_head(dQ, b, h, stride_gb, stride_gh, False), start_m, offs_m, stride_gs, HEAD_DIM),
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -296,14 +304,15 @@ class _Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     tma: bool
+    dp_first: bool
 
 
 def _tiles(cfg: LaunchConfig) -> _Tiles:
-    """A config without ``BLOCK_N`` (the delta kernel) or ``TMA`` (pointer-only configs) reads
-    them as 0."""
+    """A config without ``BLOCK_N`` (the delta kernel), ``TMA`` (pointer-only configs) or
+    ``DP_FIRST`` (backward instruction order) reads them as 0."""
     blocks = dict(cfg.blocks)
     return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
-                  bool(blocks.get("TMA", 0)))
+                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)))
 
 
 class _Frozen(NamedTuple):
@@ -396,7 +405,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         kernel[(cdiv(seq, grid_rows), batch * heads)](
             _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
             _operand(dout, t.block_m, tma), lse2, delta, *outputs, *common, *_sbh(dq),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=upcast, TMA=tma, DP_FIRST=t.dp_first,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
     return dq, dk, dv
