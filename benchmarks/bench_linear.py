@@ -37,6 +37,10 @@ def _extra(parser):
     parser.add_argument("--quick", action="store_true", help="sweep two shapes (one per K class) only")
     parser.add_argument("--sweep-only", nargs="*", default=None, help="sweep just these shapes")
     parser.add_argument("--sweep", action="store_true", help="time candidate configs at M=16384")
+    parser.add_argument("--sweep-ops", nargs="*", default=["linear_fwd", "linear_dx", "linear_dw"],
+                        help="sweep just these ops")
+    parser.add_argument("--sweep-only-run", action="store_true",
+                        help="skip the checks and the frozen-config cases (a sweep run alone)")
     parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing new cases after this")
 
@@ -173,13 +177,23 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
                 mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1, FLATTEN=1),
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=0, FLAT_UNITS=0, FLATTEN=0),
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLAT_UNITS=1, FLATTEN=1)]
+    # then smaller tiles (more, shorter waves: N = 5376 at M = 4096 leaves a 0.18 last wave of 128x128
+    # tiles), two persistent programs per SM, deeper pipelines and other tile-group heights
     return [base, mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=0),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1),
-            mk(8, 3, BLOCK_I=256, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1)]
+            mk(8, 3, BLOCK_I=256, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1),
+            mk(4, 4, BLOCK_I=128, BLOCK_J=64, EPI_SPLIT=0, FLATTEN=1),
+            mk(4, 3, BLOCK_I=128, BLOCK_J=64, EPI_SPLIT=0, FLATTEN=1, PER_SM=2),
+            mk(4, 4, BLOCK_I=64, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1),
+            mk(4, 3, BLOCK_I=64, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1, PER_SM=2),
+            mk(8, 3, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1, PER_SM=2),
+            mk(8, 5, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1),
+            mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1, GROUP_I=16),
+            mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1, GROUP_I=4)]
 
 
-def _sweep(device, shapes, ms, t_end) -> list[dict]:
+def _sweep(device, shapes, ms, t_end, ops) -> list[dict]:
     """Each candidate config against cuBLAS, per shape and M."""
     results = []
     for m in ms:
@@ -195,6 +209,8 @@ def _sweep(device, shapes, ms, t_end) -> list[dict]:
                               lambda _, dy=dy, x=x: torch.mm(dy.T, x)),
             }
             for op, (run, cublas) in runners.items():
+                if op not in ops:
+                    continue
                 base = launch_config(op, BF16, arch_of(w), (n, k))
                 ref = None
                 for idx, cand in enumerate(_candidates(op, base)):
@@ -248,8 +264,9 @@ def main(argv=None) -> None:
             payload["configs"][f"{op}/{name}"] = {"blocks": dict(c.blocks), "warps": c.num_warps,
                                                   "stages": c.num_stages, "note": c.note}
     with flowlock.use_backend("triton"):
-        _section(payload, "checks", lambda: _checks(device, shapes, ms[0]), args.out)
-        print(payload["checks"], flush=True)
+        if not args.sweep_only_run:
+            _section(payload, "checks", lambda: _checks(device, shapes, ms[0]), args.out)
+            print(payload["checks"], flush=True)
 
         def cases():
             rows = []
@@ -266,11 +283,12 @@ def main(argv=None) -> None:
                            for key, v in row.items()}, flush=True)
             return rows
 
-        _section(payload, "cases", cases, args.out)
+        if not args.sweep_only_run:
+            _section(payload, "cases", cases, args.out)
         if args.sweep:
             names = args.sweep_only or (("qkv", "fc2") if args.quick else tuple(shapes))
             sweep_shapes = {k: shapes[k] for k in names}
-            _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, ms, t_end), args.out)
+            _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, ms, t_end, args.sweep_ops), args.out)
 
 
 if __name__ == "__main__":
