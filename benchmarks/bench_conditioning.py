@@ -262,10 +262,6 @@ def run_case(case: Case, args, device: torch.device, with_accuracy: bool) -> dic
     with torch.no_grad():
         case.theirs_setup()
         cots = _cotangents(case.theirs(theirs_leaves), seed=1)
-    with torch.no_grad():
-        fwd = harness.time_pair(case.ours, case.theirs, device=device, setup_a=lambda: ours_leaves,
-                                setup_b=lambda: (case.theirs_setup(), theirs_leaves)[1], iters=args.iters,
-                                warmup=args.warmup)
 
     def backward_setup(fn, leaves):
         def setup():
@@ -275,19 +271,24 @@ def run_case(case: Case, args, device: torch.device, with_accuracy: bool) -> dic
         return setup
 
     bwd_fn = lambda st: torch.autograd.grad(st[0], st[1], st[2], allow_unused=True)
+    row = {"op": case.op, "S": case.seq, "T": case.timesteps}
+    for suffix, queued in (("", False), ("_queued", True)):
+        with torch.no_grad():
+            fwd = harness.time_pair(case.ours, case.theirs, device=device, setup_a=lambda: ours_leaves,
+                                    setup_b=lambda: (case.theirs_setup(), theirs_leaves)[1], iters=args.iters,
+                                    warmup=args.warmup, queued=queued)
+        with torch.enable_grad():
+            bwd = harness.time_pair(bwd_fn, bwd_fn, device=device, setup_a=backward_setup(case.ours, ours_leaves),
+                                    setup_b=backward_setup(case.theirs, theirs_leaves), iters=args.iters,
+                                    warmup=args.warmup, queued=queued)
+        row["forward" + suffix] = {"flowlock": fwd["a"], "diffusers": fwd["b"], "speedup": 1 / fwd["ratio_a_over_b"]}
+        row["backward" + suffix] = {"flowlock": bwd["a"], "diffusers": bwd["b"],
+                                    "speedup": 1 / bwd["ratio_a_over_b"]}
     with torch.enable_grad():
-        bwd = harness.time_pair(bwd_fn, bwd_fn, device=device, setup_a=backward_setup(case.ours, ours_leaves),
-                                setup_b=backward_setup(case.theirs, theirs_leaves), iters=args.iters,
-                                warmup=args.warmup)
-        row = {
-            "op": case.op, "S": case.seq, "T": case.timesteps,
-            "forward": {"flowlock": fwd["a"], "diffusers": fwd["b"], "speedup": 1 / fwd["ratio_a_over_b"]},
-            "backward": {"flowlock": bwd["a"], "diffusers": bwd["b"], "speedup": 1 / bwd["ratio_a_over_b"]},
-            "grads_varying_over_3_runs": {
-                "flowlock": _repeat_varying(case.ours, lambda: case.make()[0], cots),
-                "diffusers": _repeat_varying(lambda v: (case.theirs_setup(), case.theirs(v))[1],
-                                             lambda: case.make()[1], cots),
-            },
+        row["grads_varying_over_3_runs"] = {
+            "flowlock": _repeat_varying(case.ours, lambda: case.make()[0], cots),
+            "diffusers": _repeat_varying(lambda v: (case.theirs_setup(), case.theirs(v))[1],
+                                         lambda: case.make()[1], cots),
         }
         if with_accuracy:
             row["grad_rel_error_vs_fp64"] = _accuracy(case, cots)
@@ -313,12 +314,17 @@ def main(argv=None) -> int:
     for case in cases(dims, device):
         with_accuracy = case.seq in (None, min(dims["seq"]))
         rows.append(run_case(case, args, device, with_accuracy))
-        print(f"{case.op:18s} S={case.seq} T={case.timesteps}: fwd x{rows[-1]['forward']['speedup']:.2f} "
-              f"bwd x{rows[-1]['backward']['speedup']:.2f} (diffusers/flowlock)", flush=True)
+        r = rows[-1]
+        print(f"{case.op:18s} S={case.seq} T={case.timesteps}: fwd x{r['forward']['speedup']:.2f} "
+              f"bwd x{r['backward']['speedup']:.2f} (idle); fwd x{r['forward_queued']['speedup']:.2f} "
+              f"bwd x{r['backward_queued']['speedup']:.2f} (queued) (diffusers/flowlock)", flush=True)
     payload = {"benchmark": "conditioning", "smoke": args.smoke, "dims": dims, "gate": gate,
                "environment": harness.environment(device),
                "method": "same process, alternating order, median/p20/p80 of >= 20 timed calls after warm-up; "
-                         "backward timed alone (forward graph built untimed); speedup = diffusers/flowlock",
+                         "backward timed alone (forward graph built untimed); speedup = diffusers/flowlock. "
+                         "forward/backward: each call from an idle GPU (host time before and between launches "
+                         "counts); *_queued: each call enqueued behind a ~5 ms GPU spin, as inside a model "
+                         "forward where the host runs ahead (the call's kernels back to back)",
                "golden": "float64 evaluation of each op's formula, no intermediate rounding, same cotangent",
                "results": rows}
     path = harness.write_json(args.out, payload)

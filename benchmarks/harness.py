@@ -72,16 +72,29 @@ def _stats(samples_ms: list[float]) -> dict:
     return {"median_ms": statistics.median(ordered), "p20_ms": q[1], "p80_ms": q[7], "n": len(ordered)}
 
 
-class _Timer:
-    """CUDA events on a GPU; ``perf_counter`` on CPU (smoke runs)."""
+# GPU clock cycles of the spin that keeps the device busy ahead of a queued call (about 5 ms on an
+# H200): longer than any op's host time, so every launch of the call is queued before the spin ends.
+QUEUE_SPIN_CYCLES = 10_000_000
 
-    def __init__(self, device: torch.device):
+
+class _Timer:
+    """CUDA events on a GPU; ``perf_counter`` on CPU (smoke runs).
+
+    Idle (default): the call starts on an idle device, so the host time before its first launch
+    and between launches counts. Queued: the call is enqueued behind a GPU spin, as inside a model
+    forward where the host runs ahead; the events then measure the call's kernels back to back.
+    """
+
+    def __init__(self, device: torch.device, queued: bool = False):
         self.cuda = device.type == "cuda"
+        self.queued = queued
 
     def __call__(self, fn: Callable[[object], object], state: object) -> float:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
+            if self.queued:
+                torch.cuda._sleep(QUEUE_SPIN_CYCLES)
             start.record()
             fn(state)
             end.record()
@@ -94,8 +107,9 @@ class _Timer:
 
 def time_pair(fn_a: Callable[[object], object], fn_b: Callable[[object], object], *, device: torch.device,
               setup_a: Callable[[], object] | None = None, setup_b: Callable[[], object] | None = None,
-              iters: int = MIN_ITERS, warmup: int = 3) -> dict:
-    """Time ``fn_a(setup_a())`` against ``fn_b(setup_b())``; only the ``fn`` calls are timed.
+              iters: int = MIN_ITERS, warmup: int = 3, queued: bool = False) -> dict:
+    """Time ``fn_a(setup_a())`` against ``fn_b(setup_b())``; only the ``fn`` calls are timed, from
+    an idle device or, with ``queued``, enqueued behind a GPU spin (see :class:`_Timer`).
 
     The order alternates every iteration (a first on even iterations, b first on odd ones) so
     clock ramps and cache state do not favour either. Returns ``{"a": stats, "b": stats,
@@ -103,7 +117,7 @@ def time_pair(fn_a: Callable[[object], object], fn_b: Callable[[object], object]
     """
     if iters < MIN_ITERS:
         raise ValueError(f"iters must be >= {MIN_ITERS}, got {iters}")
-    timer = _Timer(device)
+    timer = _Timer(device, queued)
     setup_a = setup_a or (lambda: None)
     setup_b = setup_b or (lambda: None)
     samples: dict[str, list[float]] = {"a": [], "b": []}

@@ -36,12 +36,14 @@ def plot_conditioning(payload: dict, path: Path) -> Path:
     plt = _pyplot()
     rows = payload["results"]
     labels = [f"{r['op']}\nS={r['S']} T={r['T']}" if r["S"] else f"{r['op']}\nT={r['T']}" for r in rows]
-    fwd = [r["forward"]["speedup"] for r in rows]
-    bwd = [r["backward"]["speedup"] for r in rows]
+    # idle: each call from an idle GPU; queued: behind a GPU spin, as inside a model forward
+    phases = [p for p in ("forward", "backward", "forward_queued", "backward_queued") if p in rows[0]]
     fig, (ax_bar, ax_line) = plt.subplots(2, 1, figsize=(max(10, 0.45 * len(rows)), 10))
     xs = range(len(rows))
-    ax_bar.bar([x - 0.2 for x in xs], fwd, width=0.4, label="forward")
-    ax_bar.bar([x + 0.2 for x in xs], bwd, width=0.4, label="backward")
+    width = 0.8 / len(phases)
+    for i, phase in enumerate(phases):
+        ax_bar.bar([x - 0.4 + (i + 0.5) * width for x in xs], [r[phase]["speedup"] for r in rows], width=width,
+                   label=phase.replace("_", " "))
     ax_bar.axhline(1.0, color="black", linewidth=0.8)
     ax_bar.set_yscale("log")
     ax_bar.set_xticks(list(xs), labels, rotation=90, fontsize=6)
