@@ -18,12 +18,24 @@ from flowlock.modes import record_run
 
 BACKENDS = ("triton", "reference")
 
-_local = threading.local()
+
+class _Local(threading.local):
+    forced: str | None = None
+
+
+_local = _Local()
+
+# os.environ's own encoded store, read without its per-call key and value codecs: setting, deleting
+# or monkeypatching os.environ updates this same mapping, so the answer tracks the environment as
+# os.environ.get does, at a fraction of its cost (launchers ask once per launch).
+_ENVIRON = os.environ._data
+_INTERPRET_KEY = os.environ.encodekey("TRITON_INTERPRET")
+_ON = os.environ.encodevalue("1")
 
 
 def interpreter_active() -> bool:
-    """True when Triton kernels run under the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1`` in os.environ)."""
+    return _ENVIRON.get(_INTERPRET_KEY) == _ON
 
 
 @contextmanager
@@ -31,7 +43,7 @@ def use_backend(name: str):
     """Force every flowlock op inside the block onto ``name`` (``"triton"`` or ``"reference"``)."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    previous = getattr(_local, "forced", None)
+    previous = _local.forced
     _local.forced = name
     try:
         yield
@@ -47,19 +59,16 @@ def backend_for(op: str, *tensors: torch.Tensor | None) -> str:
     """
     device = None
     for t in tensors:
-        if t is None:
-            continue
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            devices = sorted({str(x.device) for x in tensors if x is not None})
-            raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
+        if t is not None:
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                devices = sorted({str(x.device) for x in tensors if x is not None})
+                raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
     if device is None:
         raise ValueError(f"{op}: all tensors must be on one device, got []")
-    forced = getattr(_local, "forced", None)
-    if forced is not None:
-        backend = forced
-    else:
+    backend = _local.forced
+    if backend is None:
         backend = "triton" if device.type == "cuda" else "reference"
     if backend == "triton" and device.type != "cuda" and not interpreter_active():
         raise RuntimeError(f"{op}: the triton backend on {device} needs TRITON_INTERPRET=1")

@@ -38,8 +38,12 @@ def check_tensor(
         raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
     if ndim is not None and t.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None:
-        if t.ndim != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
+    # A fully given shape matches as one tuple comparison; the per-entry walk runs only for free entries.
+    if shape is not None and t.shape != shape:
+        bad = t.ndim != len(shape)
+        for e, s in zip(shape, t.shape):
+            bad = bad or (e is not None and e != s)
+        if bad:
             want = ", ".join("*" if e is None else str(e) for e in shape)
             raise ValueError(f"{name} must have shape ({want}), got {tuple(t.shape)}")
     if device is not None and t.device != device:
@@ -83,7 +87,8 @@ _MEMO: dict[int, tuple[weakref.ref, dict]] = {}
 
 
 def _stamp(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride())
+    # torch.Size is a tuple and stride() returns one: both compare by value as they are.
+    return t.data_ptr(), t._version, t.shape, t.stride()
 
 
 def _memoized(t: torch.Tensor, what: object, compute: Callable[[], object]) -> object:
