@@ -32,15 +32,16 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, i
     ``gate.dtype`` (kept fp32 for a float32 gate). Rows are pure (batch-invariant).
     """
     check_tensor("residual", residual, dtypes=FLOAT_DTYPES)
-    if residual.ndim < 2:
-        raise ValueError(f"residual must have at least 2 dims, got shape {tuple(residual.shape)}")
+    shape, device = residual.shape, residual.device
+    if len(shape) < 2:
+        raise ValueError(f"residual must have at least 2 dims, got shape {tuple(shape)}")
     check_contiguous("residual", residual)
-    check_tensor("y", y, dtypes=(residual.dtype,), shape=tuple(residual.shape), device=residual.device)
+    check_tensor("y", y, dtypes=(residual.dtype,), shape=shape, device=device)
     check_contiguous("y", y)
-    s, h = residual.shape[-2], residual.shape[-1]
-    check_table("gate", gate, dtype=residual.dtype, width=h, device=residual.device)
-    check_index("index", index, length=s, upper=gate.shape[0], device=residual.device, check_range=check_indices)
-    if backend_for("gate_residual", residual, gate, y, index) == "reference":
+    check_table("gate", gate, dtype=residual.dtype, width=shape[-1], device=device)
+    check_index("index", index, length=shape[-2], upper=gate.shape[0], device=device, check_range=check_indices)
+    # The checks above put every tensor on residual's device: the backend follows from it alone.
+    if backend_for("gate_residual", residual) == "reference":
         return gate_residual_reference(residual, gate, y, index)
     if needs_graph(residual, gate, y):
         return GateResidualFunction.apply(residual, gate, y, index)

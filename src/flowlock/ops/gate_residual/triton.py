@@ -76,22 +76,34 @@ def _gate_residual_bwd_kernel(
     segment_partials(v, segment, partials_ptr + tile.to(tl.int64) * R * H + cols, R, H, col_mask)
 
 
+# (dtype, device) -> (ROWS, BLOCK_H, the forward's keyword arguments): the frozen config read once, not
+# field by field on every call.
+_FWD_ARGS: dict[tuple[torch.dtype, torch.device], tuple[int, int, dict]] = {}
+
+
+def _fwd_args(y: torch.Tensor) -> tuple[int, int, dict]:
+    key = (y.dtype, y.device)
+    args = _FWD_ARGS.get(key)
+    if args is None:
+        cfg = config_for("gate_residual", y)
+        # Eager rounds the product before adding the residual: no fused multiply-add.
+        kwargs = dict(DTYPE=_TL_DTYPE[y.dtype], ROWS=cfg["ROWS"], BLOCK_H=cfg["BLOCK_H"],
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        args = _FWD_ARGS[key] = (cfg["ROWS"], cfg["BLOCK_H"], kwargs)
+    return args
+
+
 def gate_residual_fwd(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
                       ) -> torch.Tensor:
     """``residual + gate[index] * y`` for contiguous ``(..., S, H)`` tensors. Trusted: not validated."""
-    h, s = y.shape[-1], index.shape[0]
+    h = y.shape[-1]
     m = y.numel() // h if h else 0
     out = torch.empty_like(y)
     if m == 0:
         return out
-    cfg = config_for("gate_residual", y)
-    _gate_residual_kernel[(-(-m // cfg["ROWS"]), -(-h // cfg["BLOCK_H"]))](
-        residual, y, gate, index, out, m, h, s, gate.stride(0),
-        DTYPE=_TL_DTYPE[y.dtype], ROWS=cfg["ROWS"], BLOCK_H=cfg["BLOCK_H"],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        # Eager rounds the product before adding the residual: no fused multiply-add.
-        enable_fp_fusion=False,
-    )
+    rows, block_h, kwargs = _fwd_args(y)
+    _gate_residual_kernel[(-(-m // rows), -(-h // block_h))](
+        residual, y, gate, index, out, m, h, index.shape[0], gate.stride(0), **kwargs)
     return out
 
 
