@@ -17,13 +17,16 @@ from flowlock.ops.rms_norm.triton import (
 )
 
 
-def _check_x_weight(x: object, weight: object, min_ndim: int) -> None:
+def _check_x_weight(x: object, weight: object, min_ndim: int) -> torch.device:
+    """Check ``x`` and ``weight``; return the device every other argument must share."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < min_ndim:
         raise ValueError(f"x must have at least {min_ndim} dims, got shape {tuple(x.shape)}")
     check_contiguous("x", x)
-    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(x.shape[-1],), device=x.device)
+    device = x.device
+    check_tensor("weight", weight, dtypes=(x.dtype,), shape=(x.shape[-1],), device=device)
     check_contiguous("weight", weight)
+    return device
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,7 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     _check_x_weight(x, weight, 1)
     eps = check_eps(eps)
-    if backend_for("rms_norm", x, weight) == "reference":
+    # weight was checked to be on x's device: the backend follows from x alone.
+    if backend_for("rms_norm", x) == "reference":
         return rms_norm_reference(x, weight, eps)
     if needs_graph(x, weight):
         return RMSNormFunction.apply(x, weight, eps)
@@ -74,13 +78,14 @@ def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor
     sums over fixed 64-row tiles of all ``(batch x S)`` rows, folded in a fixed order (repeatable), rounded
     once to the table's dtype (kept fp32 for a float32 table).
     """
-    _check_x_weight(x, weight, 2)
-    s, h = x.shape[-2], x.shape[-1]
-    check_table("shift", shift, dtype=x.dtype, width=h, device=x.device)
-    check_table("scale", scale, dtype=shift.dtype, width=h, device=x.device, rows=shift.shape[0])
-    check_index("index", index, length=s, upper=shift.shape[0], device=x.device, check_range=check_indices)
+    device = _check_x_weight(x, weight, 2)
+    s, h = x.shape[-2:]
+    rows = check_table("shift", shift, dtype=x.dtype, width=h, device=device).shape[0]
+    check_table("scale", scale, dtype=shift.dtype, width=h, device=device, rows=rows)
+    check_index("index", index, length=s, upper=rows, device=device, check_range=check_indices)
     eps = check_eps(eps)
-    if backend_for("rms_norm_modulate", x, weight, shift, scale, index) == "reference":
+    # The checks above put every tensor on x's device: the backend follows from x alone.
+    if backend_for("rms_norm_modulate", x) == "reference":
         return rms_norm_modulate_reference(x, weight, shift, scale, index, eps)
     if needs_graph(x, weight, shift, scale):
         return RMSNormModulateFunction.apply(x, weight, shift, scale, index, eps)

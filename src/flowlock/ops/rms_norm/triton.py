@@ -115,21 +115,35 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
     h = x.shape[-1]
     m = x.numel() // h if h else 0
     y = torch.empty_like(x)
-    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    # An int size, not a tuple: the same tensor with less argument parsing.
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0 or h == 0:
         return y, rstd.zero_()
-    cfg = config_for("rms_norm_fwd", x)
     has_mod = shift is not None
-    _rms_norm_fwd_kernel[(-(-m // cfg["ROWS"]),)](
-        x, weight, shift if has_mod else x, scale if has_mod else x, index if has_mod else rstd, y, rstd,
-        m, h, index.shape[0] if has_mod else 1, shift.stride(0) if has_mod else 0,
-        scale.stride(0) if has_mod else 0, eps, float(h),
-        HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], ROWS=cfg["ROWS"], BLOCK_H=_block_h(h),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        # Eager rounds the modulation's product before the add: no fused multiply-add.
-        enable_fp_fusion=False,
-    )
+    rows, kwargs = _fwd_args(x, h, has_mod)
+    if has_mod:
+        _rms_norm_fwd_kernel[(-(-m // rows),)](x, weight, shift, scale, index, y, rstd, m, h, index.shape[0],
+                                                 shift.stride(0), scale.stride(0), eps, float(h), **kwargs)
+    else:
+        _rms_norm_fwd_kernel[(-(-m // rows),)](x, weight, x, x, rstd, y, rstd, m, h, 1, 0, 0, eps, float(h), **kwargs)
     return y, rstd
+
+
+# (dtype, device, H, modulated) -> (ROWS, the forward's keyword arguments): the frozen config and the
+# block width read once, not on every call.
+_FWD_ARGS: dict[tuple[torch.dtype, torch.device, int, bool], tuple[int, dict]] = {}
+
+
+def _fwd_args(x: torch.Tensor, h: int, has_mod: bool) -> tuple[int, dict]:
+    key = (x.dtype, x.device, h, has_mod)
+    args = _FWD_ARGS.get(key)
+    if args is None:
+        cfg = config_for("rms_norm_fwd", x)
+        # Eager rounds the modulation's product before the add: no fused multiply-add.
+        kwargs = dict(HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], ROWS=cfg["ROWS"], BLOCK_H=_block_h(h),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        args = _FWD_ARGS[key] = (cfg["ROWS"], kwargs)
+    return args
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
