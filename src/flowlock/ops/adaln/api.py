@@ -26,10 +26,15 @@ def check_projection(temb: object, weight: object, bias: object, outputs_per_h: 
     if n == 0 or n % outputs_per_h:
         raise ValueError(f"weight must have {outputs_per_h}*H rows (H >= 1), got {n}")
     check_tensor("bias", bias, dtypes=(torch.bfloat16,), shape=(n,), device=device)
-    for name, x in (("temb", temb), ("weight", weight), ("bias", bias)):
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    _check_contiguous("temb", temb)
+    _check_contiguous("weight", weight)
+    _check_contiguous("bias", bias)
     return t, e, n // outputs_per_h
+
+
+def _check_contiguous(name: str, x: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
 
 def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -52,7 +57,7 @@ def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     order), ``db`` (likewise) and ``d_temb`` (FP32, N reduced in fixed chunks folded ascending).
     """
     t, _, _ = check_projection(temb, weight, bias, 18)
-    if backend_for("adaln_table", temb, weight, bias) == "reference":
+    if backend_for("adaln_table", temb) == "reference":
         return adaln_table_reference(temb, weight, bias)
     if needs_graph(temb, weight, bias):
         return AdalnTableFunction.apply(temb, weight, bias).view(3 * t, -1)
@@ -88,10 +93,10 @@ def adaln_modulation(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                 check_range=check_indices)
     check_index("token_tags", token_tags, length=timestep_indices.shape[0], upper=3, device=device,
                 check_range=check_indices)
-    for name, x in (("timestep_indices", timestep_indices), ("token_tags", token_tags)):
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if backend_for("adaln_modulation", temb, weight, bias, timestep_indices, token_tags) == "reference":
+    _check_contiguous("timestep_indices", timestep_indices)
+    _check_contiguous("token_tags", token_tags)
+    # The checks above put every tensor on temb's device: the backend follows from temb alone.
+    if backend_for("adaln_modulation", temb) == "reference":
         return adaln_modulation_reference(temb, weight, bias, timestep_indices, token_tags)
     if needs_graph(temb, weight, bias):
         return AdalnModulationFunction.apply(temb, weight, bias, timestep_indices, token_tags)

@@ -163,14 +163,40 @@ def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     rounded to BF16 in the kernel) or bf16, weight (N, E) bf16. Trusted: inputs are not validated."""
     t, e = act.shape
     n = weight.shape[0]
-    cfg = config_for("adaln_proj_fwd", weight)
-    out = torch.empty((t, n), dtype=torch.float32, device=act.device)
-    grid = (cdiv(n, cfg["BLOCK_N"]), cdiv(t, cfg["BLOCK_T"]))
-    _adaln_table_fwd_kernel[grid](act, weight, bias, out, t, n, e,
-                                  BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                                  UPCAST=interpreter_active(), num_warps=cfg.num_warps,
-                                  num_stages=cfg.num_stages)
+    block_n, block_t, kwargs = _table_fwd_args(weight)
+    # Int sizes, not a tuple: the same tensor with less argument parsing.
+    out = torch.empty(t, n, dtype=torch.float32, device=act.device)
+    _adaln_table_fwd_kernel[(cdiv(n, block_n), cdiv(t, block_t))](act, weight, bias, out, t, n, e, **kwargs)
     return out
+
+
+# Launch arguments derived from the frozen configs, read once per (dtype, device[, interpreter]) rather
+# than field by field on every call.
+_TABLE_FWD_ARGS: dict[tuple, tuple[int, int, dict]] = {}
+_GATHER_ARGS: dict[tuple, tuple[int, int, dict]] = {}
+
+
+def _table_fwd_args(weight: torch.Tensor) -> tuple[int, int, dict]:
+    """``(BLOCK_N, BLOCK_T, keyword arguments)`` of the projection forward."""
+    key = (weight.dtype, weight.device, interpreter_active())
+    args = _TABLE_FWD_ARGS.get(key)
+    if args is None:
+        cfg = config_for("adaln_proj_fwd", weight)
+        kwargs = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=key[2],
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        args = _TABLE_FWD_ARGS[key] = (cfg["BLOCK_N"], cfg["BLOCK_T"], kwargs)
+    return args
+
+
+def _gather_args(table: torch.Tensor) -> tuple[int, int, dict]:
+    """``(BLOCK_S, BLOCK_H, keyword arguments)`` of the row gather."""
+    key = (table.dtype, table.device)
+    args = _GATHER_ARGS.get(key)
+    if args is None:
+        cfg = config_for("adaln_gather", table)
+        kwargs = dict(BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg.num_warps)
+        args = _GATHER_ARGS[key] = (cfg["BLOCK_S"], cfg["BLOCK_H"], kwargs)
+    return args
 
 
 def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, weight: torch.Tensor,
@@ -212,17 +238,19 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
     return d_temb, d_weight, d_bias
 
 
-def adaln_modulation_fwd(table: torch.Tensor, timestep_indices: torch.Tensor,
+def adaln_modulation_fwd(projected: torch.Tensor, timestep_indices: torch.Tensor,
                          token_tags: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Six ``(S, H)`` BF16 tensors ``table[ti*3+tag, c*H:(c+1)*H]`` from the ``(3T, 6H)`` FP32 table."""
+    """Six ``(S, H)`` BF16 tensors ``table[ti*3+tag, c*H:(c+1)*H]`` of the ``(3T, 6H)`` FP32 table, read
+    from the contiguous ``(T, 18H)`` projection output it views (row stride ``6H``) without the view op."""
     s = timestep_indices.shape[0]
-    h = table.shape[1] // 6
-    cfg = config_for("adaln_gather", table)
-    grid = (cdiv(s, cfg["BLOCK_S"]), cdiv(h, cfg["BLOCK_H"]))
-    outs = tuple(torch.empty((s, h), dtype=torch.bfloat16, device=table.device) for _ in range(6))
-    _adaln_modulation_fwd_kernel[grid](table, timestep_indices, token_tags, *outs, s, h, table.stride(0),
-                                       BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg.num_warps)
-    return outs
+    h = projected.shape[1] // 18
+    block_s, block_h, kwargs = _gather_args(projected)
+    device = projected.device
+    # Int sizes, not a tuple: the same tensors with less argument parsing.
+    outs = [torch.empty(s, h, dtype=torch.bfloat16, device=device) for _ in range(6)]
+    _adaln_modulation_fwd_kernel[(cdiv(s, block_s), cdiv(h, block_h))](
+        projected, timestep_indices, token_tags, *outs, s, h, 6 * h, **kwargs)
+    return tuple(outs)
 
 
 @torch.library.custom_op("flowlock::adaln_table_fwd", mutates_args=())
@@ -262,16 +290,16 @@ def _(grad, temb, act, weight):
 
 
 @torch.library.custom_op("flowlock::adaln_modulation_fwd", mutates_args=())
-def _adaln_modulation_fwd_op(table: torch.Tensor, timestep_indices: torch.Tensor,
+def _adaln_modulation_fwd_op(projected: torch.Tensor, timestep_indices: torch.Tensor,
                              token_tags: torch.Tensor) -> list[torch.Tensor]:
-    """The six-way row gather as one opaque op."""
-    return list(adaln_modulation_fwd(table, timestep_indices, token_tags))
+    """The six-way row gather from the ``(T, 18H)`` projection output as one opaque op."""
+    return list(adaln_modulation_fwd(projected, timestep_indices, token_tags))
 
 
 @_adaln_modulation_fwd_op.register_fake
-def _(table, timestep_indices, token_tags):
-    shape = (timestep_indices.shape[0], table.shape[1] // 6)
-    return [table.new_empty(shape, dtype=torch.bfloat16) for _ in range(6)]
+def _(projected, timestep_indices, token_tags):
+    shape = (timestep_indices.shape[0], projected.shape[1] // 18)
+    return [projected.new_empty(shape, dtype=torch.bfloat16) for _ in range(6)]
 
 
 @torch.library.custom_op("flowlock::adaln_modulation_bwd", mutates_args=())
@@ -308,11 +336,11 @@ def modulation_forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                        token_tags: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``(act, six (S, H) bf16 rows)``: the launches of :class:`AdalnModulationFunction`'s forward, which a
     call that records no autograd node makes directly (same launchers, same bits)."""
-    act, table = projection(temb, weight, bias)
-    table = table.view(3 * temb.shape[0], -1)
+    act = silu_act(temb)
     if traced():
-        return act, tuple(_adaln_modulation_fwd_op(table, timestep_indices, token_tags))
-    return act, adaln_modulation_fwd(table, timestep_indices, token_tags)
+        projected = _adaln_table_fwd_op(act, weight, bias)
+        return act, tuple(_adaln_modulation_fwd_op(projected, timestep_indices, token_tags))
+    return act, adaln_modulation_fwd(adaln_table_fwd(act, weight, bias), timestep_indices, token_tags)
 
 
 class AdalnTableFunction(torch.autograd.Function):
