@@ -55,7 +55,8 @@ def final_adaln_out(x: torch.Tensor, temb: torch.Tensor, norm_weight: torch.Tens
     if not timestep_indices.is_contiguous():
         raise ValueError("timestep_indices must be contiguous")
     eps = check_eps(eps)
-    if backend_for("final_adaln_out", x, temb, norm_weight, weight, bias, timestep_indices) == "reference":
+    # The checks above put every tensor on x's device: the backend follows from x alone.
+    if backend_for("final_adaln_out", x) == "reference":
         return final_adaln_out_reference(x, temb, norm_weight, weight, bias, timestep_indices, eps)
     if needs_graph(x, temb, norm_weight, weight, bias):
         return FinalAdalnOutFunction.apply(x, temb, norm_weight, weight, bias, timestep_indices, eps)

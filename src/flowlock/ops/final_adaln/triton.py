@@ -13,7 +13,9 @@ from flowlock.ops.rms_norm.triton import rms_norm_bwd, rms_norm_fwd
 def _norm_fwd(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tensor, timestep_indices: torch.Tensor,
               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     h = x.shape[-1]
-    return rms_norm_fwd(x, norm_weight, eps, table[:, :h], table[:, h:], timestep_indices)
+    # The kernel reads H columns of each shift row at the row stride, so the whole [shift | scale] table
+    # (same pointer, same row stride as table[:, :h]) stands for shift without a slicing op.
+    return rms_norm_fwd(x, norm_weight, eps, table, table[:, h:], timestep_indices)
 
 
 def _norm_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor, table: torch.Tensor,
