@@ -67,9 +67,13 @@ def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
     check_tensor("b1", b1, dtypes=(torch.float32,), shape=(hidden,), device=dev)
     check_tensor("w2", w2, dtypes=(torch.float32,), shape=(None, hidden), device=dev)
     check_tensor("b2", b2, dtypes=(torch.float32,), shape=(w2.shape[0],), device=dev)
-    for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
-        _contiguous(name, t)
-    if backend_for("timestep_mlp", x, w1, b1, w2, b2) == "triton":
+    _contiguous("x", x)
+    _contiguous("w1", w1)
+    _contiguous("b1", b1)
+    _contiguous("w2", w2)
+    _contiguous("b2", b2)
+    # The checks above put every tensor on x's device: the backend follows from x alone.
+    if backend_for("timestep_mlp", x) == "triton":
         if needs_graph(x, w1, b1, w2, b2):
             return TimestepMlpFunction.apply(x, w1, b1, w2, b2)
         return timestep_mlp_forward(x, w1, b1, w2, b2)[0]

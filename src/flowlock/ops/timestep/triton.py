@@ -271,18 +271,34 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     """Trusted launcher: returns ``(out (T, E), h (T, H) linear_1 output, act (T, H) SiLU output)``.
     Two launches, one per layer; each output element is one float64 sum over K rounded once."""
     (rows, k), hidden, embed = x.shape, w1.shape[0], w2.shape[0]
-    h = torch.empty((rows, hidden), dtype=torch.float32, device=x.device)
+    device = x.device
+    # Int sizes, not tuples: the same tensors with less argument parsing.
+    h = torch.empty(rows, hidden, dtype=torch.float32, device=device)
     act = torch.empty_like(h)
-    out = torch.empty((rows, embed), dtype=torch.float32, device=x.device)
-    cfg = config_for("timestep_mlp", x)
-    interpret = interpreter_active()
-    for a, w, bias, pre, dst, n, kk, epilogue in ((x, w1, b1, h, act, hidden, k, 1),
-                                                  (act, w2, b2, None, out, embed, hidden, 0)):
-        _timestep_mlp_fwd_kernel[(_gemv_programs(rows, n, cfg),)](
-            a, w, bias, pre, dst, rows, n, kk, EPILOGUE=epilogue, ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            enable_reflect_ftz=False)
+    out = torch.empty(rows, embed, dtype=torch.float32, device=device)
+    block_rows, block_n, kwargs = _mlp_fwd_args(x)
+    row_blocks = cdiv(rows, block_rows)
+    _timestep_mlp_fwd_kernel[(cdiv(hidden, block_n) * row_blocks,)](x, w1, b1, h, act, rows, hidden, k,
+                                                                      EPILOGUE=1, **kwargs)
+    _timestep_mlp_fwd_kernel[(cdiv(embed, block_n) * row_blocks,)](act, w2, b2, None, out, rows, embed, hidden,
+                                                                     EPILOGUE=0, **kwargs)
     return out, h, act
+
+
+# (device, interpreter) -> (ROWS, BLOCK_N, the forward's keyword arguments but EPILOGUE): the frozen
+# config read once, not field by field on every call.
+_MLP_FWD_ARGS: dict[tuple[torch.device, bool], tuple[int, int, dict]] = {}
+
+
+def _mlp_fwd_args(x: torch.Tensor) -> tuple[int, int, dict]:
+    key = (x.device, interpreter_active())
+    args = _MLP_FWD_ARGS.get(key)
+    if args is None:
+        cfg = config_for("timestep_mlp", x)
+        kwargs = dict(ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], INTERPRET=key[1],
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_reflect_ftz=False)
+        args = _MLP_FWD_ARGS[key] = (cfg["ROWS"], cfg["BLOCK_N"], kwargs)
+    return args
 
 
 def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, wg_cfg, interpret: bool):
