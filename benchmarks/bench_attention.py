@@ -133,9 +133,17 @@ def invariance(attention) -> dict:
     return res
 
 
-def time_ms(fn) -> float:
-    """Milliseconds of one call between CUDA events."""
+# GPU clock cycles of the spin a queued call waits behind (about 5 ms on an H200): the host enqueues the
+# whole call while the device is busy, so the events time the kernels back to back.
+QUEUE_SPIN_CYCLES = 10_000_000
+
+
+def time_ms(fn, queued: bool = False) -> float:
+    """Milliseconds of one call between CUDA events, started on an idle device or, when ``queued``,
+    enqueued behind a GPU spin (as inside a training step, where the host runs ahead)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queued:
+        torch.cuda._sleep(QUEUE_SPIN_CYCLES)
     start.record()
     fn()
     end.record()
@@ -143,7 +151,7 @@ def time_ms(fn) -> float:
     return start.elapsed_time(end)
 
 
-def alternating_medians(fns: dict, iters: int, warmup: int) -> dict[str, float]:
+def alternating_medians(fns: dict, iters: int, warmup: int, queued: bool = False) -> dict[str, float]:
     """Median milliseconds of each callable, rotating the call order every iteration."""
     names = list(fns)
     for _ in range(warmup):
@@ -152,11 +160,14 @@ def alternating_medians(fns: dict, iters: int, warmup: int) -> dict[str, float]:
     samples = {n: [] for n in names}
     for i in range(iters):
         for n in names[i % len(names):] + names[:i % len(names)]:
-            samples[n].append(time_ms(fns[n]))
+            samples[n].append(time_ms(fns[n], queued))
     return {n: statistics.median(samples[n]) for n in names}
 
 
 def time_seq(impls: dict, seq: int, heads: int, dim: int, iters: int, warmup: int) -> list[dict]:
+    """Per phase and implementation: the median of single calls from an idle device (``median_ms``)
+    and queued behind a GPU spin (``median_ms_queued``, the throughput measure), each with
+    flowlock's fraction of the fastest SDPA backend."""
     q, k, v, do = inputs(1, seq, heads, dim, seed=seq)
     fwd_flops = 4.0 * seq * seq * dim * heads
     fwd = {n: (lambda f=f: f(q, k, v)) for n, f in impls.items()}
@@ -164,13 +175,17 @@ def time_seq(impls: dict, seq: int, heads: int, dim: int, iters: int, warmup: in
     bwd = {n: (lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)) for n, o in outs.items()}
     rows = []
     for phase, fns, flops in (("fwd", fwd, fwd_flops), ("bwd", bwd, 2.5 * fwd_flops)):
-        medians = alternating_medians(fns, iters, warmup)
-        best = min((n for n in medians if n != "flowlock"), key=medians.get)
-        for n, med in medians.items():
-            row = {"seq": seq, "phase": phase, "impl": n, "median_ms": med, "tflops": flops / med / 1e9,
-                   "samples": iters}
+        idle = alternating_medians(fns, iters, warmup)
+        queued = alternating_medians(fns, iters, 1, queued=True)
+        best = min((n for n in idle if n != "flowlock"), key=idle.get)
+        best_queued = min((n for n in queued if n != "flowlock"), key=queued.get)
+        for n in fns:
+            row = {"seq": seq, "phase": phase, "impl": n, "median_ms": idle[n], "tflops": flops / idle[n] / 1e9,
+                   "median_ms_queued": queued[n], "tflops_queued": flops / queued[n] / 1e9, "samples": iters}
             if n == "flowlock":
-                row.update(fastest_sdpa=best, fraction_of_fastest_sdpa=medians[best] / med)
+                row.update(fastest_sdpa=best, fraction_of_fastest_sdpa=idle[best] / idle[n],
+                           fastest_sdpa_queued=best_queued,
+                           fraction_of_fastest_sdpa_queued=queued[best_queued] / queued[n])
             rows.append(row)
     return rows
 

@@ -106,10 +106,14 @@ def plot_linear(payload: dict, path: Path) -> Path:
     cases = payload["cases"]
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases)), 5))
     labels = [f"{c['shape']}\nM={c['m']}" for c in cases]
-    width = 0.27
-    for i, phase in enumerate(("fwd", "dx", "dw")):
-        ax.bar([x + (i - 1) * width for x in range(len(cases))],
-               [c[phase]["ratio_of_cublas_throughput"] for c in cases], width, label=phase)
+    # idle: single calls from an idle device; queued: behind a GPU spin (hatched, when recorded)
+    series = [(phase, key) for key in ("ratio_of_cublas_throughput", "ratio_of_cublas_throughput_queued")
+              for phase in ("fwd", "dx", "dw") if key in cases[0][phase]]
+    width = 0.8 / len(series)
+    for i, (phase, key) in enumerate(series):
+        queued = key.endswith("queued")
+        ax.bar([x - 0.4 + (i + 0.5) * width for x in range(len(cases))], [c[phase][key] for c in cases], width,
+               label=phase + (" queued" if queued else ""), color=f"C{i % 3}", hatch="//" if queued else None)
     for target, style in ((0.85, "--"), (0.80, ":")):
         ax.axhline(target, color="black", linestyle=style, linewidth=0.8)
     ax.set_xticks(range(len(cases)), labels, fontsize=8)
@@ -128,9 +132,13 @@ def plot_attention(payload: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, phase in zip(axes, ("fwd", "bwd")):
         rows = [r for r in payload["timings"] if r["phase"] == phase]
-        for impl in sorted({r["impl"] for r in rows}):
-            pts = sorted((r["seq"], r["tflops"]) for r in rows if r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        for i, impl in enumerate(sorted({r["impl"] for r in rows})):
+            # solid: single calls from an idle device; dashed: queued behind a GPU spin (throughput)
+            for key, style, suffix in (("tflops", "-", ""), ("tflops_queued", "--", " queued")):
+                pts = sorted((r["seq"], r[key]) for r in rows if r["impl"] == impl and key in r)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style,
+                            color=f"C{i}", label=impl + suffix)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("S")
         ax.set_ylabel("TFLOP/s")
