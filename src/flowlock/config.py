@@ -95,9 +95,11 @@ for _dt in ("fp32", "bf16", "fp16"):
 register("timestep_sinusoid", "fp32", "any", _cfg(4, note="one timestep row of 256 channels per program"))
 register("timestep_mlp", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=16, BLOCK_K=64,
                                              note="interpreter-sized; K = 256 crosses four slices"))
-register("timestep_mlp", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=8, BLOCK_K=512,
-                                              note="by design: an 8x512 W tile (16 KB) per K step, each program "
-                                                   "walks all of K; 336 programs for the 2688x5376 layer"))
+register("timestep_mlp", "fp32", "sm90", _cfg(4, 2, ROWS=4, BLOCK_N=4, BLOCK_K=512,
+                                              note="H200 sweep at b22a8fe (18 tile/warp/stage variants, T = 1 and "
+                                                   "3, same bits as the 8x512 3-stage design): forward 35.4 -> "
+                                                   "32.4 us at T = 1, 59.8 -> 55.3 us at T = 3; 672 programs walk "
+                                                   "all of K for the 2688x5376 layer"))
 register("timestep_mlp_t", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
 register("timestep_mlp_t", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=16, BLOCK_K=128,
                                                 note="by design: transposed W reads, 64 contiguous bytes per K "
