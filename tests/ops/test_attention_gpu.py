@@ -59,6 +59,21 @@ def test_tma_kernels_equal_pointer_kernels(b, s, h):
     assert_bitwise_equal(tma[2:], pointer[2:], f"backward dq, dk, dv at S={s}")
 
 
+def _with_dp_first(cfg, dp_first):
+    blocks = dict(cfg.blocks) | {"DP_FIRST": dp_first}
+    return LaunchConfig(tuple(sorted(blocks.items())), cfg.num_warps, cfg.num_stages)
+
+
+@pytest.mark.parametrize("s", [77, 4096 + 33])
+def test_dp_first_order_gives_the_same_backward_bits(s):
+    """The frozen backward issues dP before the exponentials in dK/dV; both orders, both kernels."""
+    inputs = _fused(1, s, 2, seed=s)
+    fwd, dkdv, dq = _configs(True)
+    early = _run(*inputs, fwd, _with_dp_first(dkdv, 1), _with_dp_first(dq, 1))
+    plain = _run(*inputs, fwd, _with_dp_first(dkdv, 0), _with_dp_first(dq, 0))
+    assert_bitwise_equal(early[2:], plain[2:], f"backward dq, dk, dv at S={s}")
+
+
 def test_tma_kernels_batch_invariant():
     pool = _fused(3, 77, 3, seed=1)
     configs = _configs(True)
