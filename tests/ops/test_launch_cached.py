@@ -124,3 +124,14 @@ def test_a_launch_hook_or_a_callable_grid_takes_tritons_path(fake_cuda, monkeypa
     monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
     wrapped[(1,)](x, x, 16, 2.0, B=16)
     assert len(compiles) == 3 and not compiles[0][3].run.launch.calls
+
+
+def test_nothing_is_kept_when_triton_returns_no_kernel(fake_cuda, monkeypatch):
+    kernel, compiles = fake_cuda
+    wrapped = FastLaunch(kernel)
+    x = torch.zeros(16)
+    # What JITFunction.run returns when a jit_cache_hook takes the launch over.
+    monkeypatch.setattr(kernel, "run", lambda *args, grid, warmup, **kwargs: compiles.append(grid))
+    assert wrapped[(1,)](x, x, 16, 2.0, B=16) is None
+    assert wrapped[(2,)](x, x, 16, 2.0, B=16) is None
+    assert compiles == [(1,), (2,)] and not wrapped._compiled

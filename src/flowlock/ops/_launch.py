@@ -70,7 +70,9 @@ class FastLaunch:
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            self._compiled[key] = (compiled, *launch_plan(compiled))
+            # None: a jit_cache_hook took the launch over, so there is no kernel to keep.
+            if compiled is not None:
+                self._compiled[key] = (compiled, *launch_plan(compiled))
             return compiled
         compiled, launch, head = entry
         stream = torch._C._cuda_getCurrentRawStream(device)
