@@ -58,9 +58,10 @@ def check_index(name: str, idx: object, *, length: int | None, upper: int, devic
     Values are never clamped: an out-of-range entry is a ``ValueError``.
     """
     check_tensor(name, idx, dtypes=INDEX_DTYPES, ndim=1, device=device)
-    if length is not None and idx.shape[0] != length:
-        raise ValueError(f"{name} must have {length} entries, got {idx.shape[0]}")
-    if check_range and idx.numel() > 0:
+    n = idx.shape[0]
+    if length is not None and n != length:
+        raise ValueError(f"{name} must have {length} entries, got {n}")
+    if check_range and n > 0:
         lo, hi = _memoized(idx, "aminmax", lambda: tuple(int(v) for v in torch.aminmax(idx)))
         if lo < 0 or hi >= upper:
             raise ValueError(f"{name} values must lie in [0, {upper}), got min {lo} max {hi}")
