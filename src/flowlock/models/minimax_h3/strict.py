@@ -111,103 +111,107 @@ class Run:
     gradient-checkpointing recomputation, so a recomputed block makes the same decisions.
     """
 
-    def __init__(self, check_indices: bool):
+    def __init__(self, check_indices: bool, root: nn.Module):
         self.fallback: set[int] = set()
         self.check_indices = check_indices
+        self._root = root
+        self._names: dict[int, str] | None = None
 
     @classmethod
     def for_model(cls, model: nn.Module) -> Run:
         """Decisions for a whole-model forward whose structural inputs were validated."""
-        run = cls(check_indices=False)
-        names = {id(m): n for n, m in model.named_modules()}
+        run = cls(check_indices=False, root=model)
         for block in model.token_refiner.refiner_blocks:
-            run._check_refiner_block(block, names)
-        run._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm), names)
+            run._check_refiner_block(block)
+        run._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm))
         for block in model.transformer_blocks:
-            run._check_block(block, names)
+            run._check_block(block)
         for module in (model.proj_in, model.audio_proj_in, model.context_embedder, model.proj_out,
                        model.audio_proj_out):
-            run._check(module, _linear_reason(module), names)
-        run._check_norm_out(model.norm_out, names)
-        run._check_time_embedder(model.time_embedder, names)
+            run._check(module, _linear_reason(module))
+        run._check_norm_out(model.norm_out)
+        run._check_time_embedder(model.time_embedder)
         return run
 
     @classmethod
     def for_module(cls, module: nn.Module) -> Run:
         """Decisions for one patched submodule called on its own (indices not yet checked)."""
-        run = cls(check_indices=True)
-        names = {id(m): n for n, m in module.named_modules()}
+        run = cls(check_indices=True, root=module)
         if isinstance(module, MiniMaxH3TransformerBlock):
-            run._check_block(module, names)
+            run._check_block(module)
         elif isinstance(module, MiniMaxH3TokenRefinerBlock):
-            run._check_refiner_block(module, names)
+            run._check_refiner_block(module)
         elif isinstance(module, MiniMaxH3AdaLayerNormOut):
-            run._check_norm_out(module, names)
+            run._check_norm_out(module)
         elif isinstance(module, TimestepEmbedding):
-            run._check_time_embedder(module, names)
+            run._check_time_embedder(module)
         elif isinstance(module, nn.RMSNorm):
-            run._check(module, _rms_norm_reason(module), names)
+            run._check(module, _rms_norm_reason(module))
         else:
-            run._check(module, _linear_reason(module), names)
+            run._check(module, _linear_reason(module))
         return run
 
-    def _check_time_embedder(self, embedder: nn.Module, names: dict) -> None:
+    def _check_time_embedder(self, embedder: nn.Module) -> None:
         kinds = [module_class(m) for m in (embedder, embedder.linear_1, embedder.linear_2, embedder.act)]
         if (kinds != [TimestepEmbedding, nn.Linear, nn.Linear, nn.SiLU] or embedder.cond_proj is not None
                 or embedder.post_act is not None):
-            self._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2", names)
+            self._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2")
 
-    def _check_refiner_block(self, block: nn.Module, names: dict) -> None:
-        self._check_attention(block.attn, names)
-        self._check_ff(block.ff, names)
+    def _check_refiner_block(self, block: nn.Module) -> None:
+        self._check_attention(block.attn)
+        self._check_ff(block.ff)
         for norm in (block.norm1, block.norm2):
-            self._check(norm, _rms_norm_reason(norm), names)
+            self._check(norm, _rms_norm_reason(norm))
 
-    def _check_block(self, block: nn.Module, names: dict) -> None:
-        self._check_refiner_block(block, names)
+    def _check_block(self, block: nn.Module) -> None:
+        self._check_refiner_block(block)
         proj = block.adaln_proj.linear
         reason = None if module_class(proj) is nn.Linear else ("the AdaLN projection must be torch.nn.Linear "
                                                                 "(its table is built by adaln_table)")
-        self._check(proj, reason, names, fallback=block)
+        self._check(proj, reason, fallback=block)
 
-    def _check_norm_out(self, norm_out: nn.Module, names: dict) -> None:
+    def _check_norm_out(self, norm_out: nn.Module) -> None:
         if module_class(norm_out.norm) is not nn.RMSNorm or module_class(norm_out.linear) is not nn.Linear:
             # final_adaln_out fuses the norm and its projection, so neither can be swapped alone.
-            self._check(norm_out, "norm_out.norm / norm_out.linear must be RMSNorm / Linear", names)
+            self._check(norm_out, "norm_out.norm / norm_out.linear must be RMSNorm / Linear")
 
-    def _check(self, module: nn.Module, reason: str | None, names: dict, fallback: nn.Module | None = None):
+    def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None):
         if reason is None:
             return
-        fallback_or_raise(f"minimax_h3 {names.get(id(module), type(module).__name__)}", reason)
+        if self._names is None:
+            # module names only for messages: walked once, and only when a check fails, so a passing
+            # forward of a deep model does not pay for named_modules()
+            self._names = {id(m): n for n, m in self._root.named_modules()}
+        fallback_or_raise(f"minimax_h3 {self._names.get(id(module), type(module).__name__)}", reason)
         self.fallback.add(id(fallback if fallback is not None else module))
 
-    def _check_attention(self, attn: nn.Module, names: dict) -> None:
+    def _check_attention(self, attn: nn.Module) -> None:
         processor = attn.processor
         if module_class(processor) is not MiniMaxH3AttnProcessor:
             self._check(attn, f"attention processor {type(processor).__name__} is not diffusers' "
-                        "MiniMaxH3AttnProcessor", names)
+                        "MiniMaxH3AttnProcessor")
             return
         if processor._parallel_config is not None:
-            self._check(attn, "context-parallel attention is not on the strict path", names)
+            self._check(attn, "context-parallel attention is not on the strict path")
             return
         if not _dropout_is_identity(attn.to_out[1]):
-            self._check(attn, "attention output dropout is active", names)
+            self._check(attn, "attention output dropout is active")
             return
         projections = [attn.to_qkv] if getattr(attn, "fused_projections", False) else [
             attn.to_q, attn.to_k, attn.to_v]
         for module in (*projections, attn.to_out[0]):
-            self._check(module, _linear_reason(module), names)
+            self._check(module, _linear_reason(module))
         for norm in (attn.norm_q, attn.norm_k):
-            self._check(norm, _rms_norm_reason(norm), names)
+            self._check(norm, _rms_norm_reason(norm))
 
-    def _check_ff(self, ff: nn.Module, names: dict) -> None:
+    def _check_ff(self, ff: nn.Module) -> None:
         net = getattr(ff, "net", None)
         if (module_class(ff) is not FeedForward or len(net) != 3 or module_class(net[0]) is not SwiGLU
                 or not _dropout_is_identity(net[1])):
-            self._check(ff, "feed-forward is not SwiGLU -> Dropout(0) -> Linear", names)
+            self._check(ff, "feed-forward is not SwiGLU -> Dropout(0) -> Linear")
             return
         for module in (net[0].proj, net[2]):
-            self._check(module, _linear_reason(module), names)
+            self._check(module, _linear_reason(module))
 
     def runs_own(self, module: nn.Module) -> bool:
         return id(module) in self.fallback
