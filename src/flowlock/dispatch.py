@@ -25,17 +25,9 @@ class _Local(threading.local):
 
 _local = _Local()
 
-# os.environ's own encoded store, read without its per-call key and value codecs: setting, deleting
-# or monkeypatching os.environ updates this same mapping, so the answer tracks the environment as
-# os.environ.get does, at a fraction of its cost (launchers ask once per launch).
-_ENVIRON = os.environ._data
-_INTERPRET_KEY = os.environ.encodekey("TRITON_INTERPRET")
-_ON = os.environ.encodevalue("1")
-
-
 def interpreter_active() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1`` in os.environ)."""
-    return _ENVIRON.get(_INTERPRET_KEY) == _ON
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @contextmanager
