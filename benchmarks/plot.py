@@ -2,7 +2,7 @@
 
 ``python benchmarks/plot.py benchmarks/results/conditioning.json [...] [--out-dir DIR]`` writes
 ``<name>.png`` next to each JSON (or into ``--out-dir``). Conditioning results give a bar chart of
-speedups (diffusers time / flowlock time, forward and backward) per op and shape and a line chart
+speedups (diffusers time / flowlock time, forward and backward, idle and queued) per op and shape and a line chart
 of speedup against S; block results give strict/provider time ratios and peak memory per S;
 linear results give throughput relative to cuBLAS per shape; attention results TFLOP/s against S.
 """
@@ -22,6 +22,13 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig, path: Path, dpi: int) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return path
 
 
 def _title(payload: dict) -> str:
@@ -66,10 +73,7 @@ def plot_conditioning(payload: dict, path: Path) -> Path:
     ax_line.set_xlabel("S (rows)")
     ax_line.set_ylabel("speedup (diffusers / flowlock)")
     ax_line.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, 120)
 
 
 def plot_block(payload: dict, path: Path) -> Path:
@@ -95,10 +99,7 @@ def plot_block(payload: dict, path: Path) -> Path:
     ax_m.set_ylabel("peak memory (GiB)")
     ax_m.legend()
     fig.suptitle(_title(payload), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, 120)
 
 
 def plot_linear(payload: dict, path: Path) -> Path:
@@ -121,10 +122,7 @@ def plot_linear(payload: dict, path: Path) -> Path:
     ax.legend()
     fig.suptitle(f"linear on {payload['environment'].get('gpu', '?')}, {str(payload.get('commit', '?'))[:10]} "
                  "(targets: fwd 0.85, dX/dW 0.80)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, 110)
 
 
 def plot_attention(payload: dict, path: Path) -> Path:
@@ -146,10 +144,7 @@ def plot_attention(payload: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"attention (B=1, {payload['heads']} heads, D={payload['dim']}) on {payload.get('gpu', '?')}, "
                  f"{str(payload.get('commit', '?'))[:10]}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, 110)
 
 
 PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block, "linear": plot_linear,
