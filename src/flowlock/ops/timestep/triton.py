@@ -8,12 +8,10 @@ interpreter has no libdevice and uses numpy's sin/cos instead.
 MLP: T is 1..8, so every layer is a GEMV with no padded M tile and no ``tl.dot``. Each program owns
 ``BLOCK_N`` output columns of a group of ``ROWS`` rows and walks all of K in ascending ``BLOCK_K``
 slices, loading each weight tile once for the whole group (coalesced along w's contiguous axis): no
-K-split partials. Both forward layers run in one launch: the linear_2 programs wait for the linear_1
-tiles through integer ticket counters, which order programs and never combine values. An element's
-sum order is set by K and the config alone, never by T or the row's place, so rows are pure. Sums
-run in float64 (float32 products are exact there; float64 is fast on the H200 and these GEMVs are
-memory-bound) and every stored value (linear_1 output, SiLU, linear_2 output, gradients) is rounded
-once to float32.
+K-split partials, so a layer is one launch. An element's sum order is set by K and the config alone,
+never by T or the row's place, so rows are pure. Sums run in float64 (float32 products are exact
+there; float64 is fast on the H200 and these GEMVs are memory-bound) and every stored value (linear_1
+output, SiLU, linear_2 output, gradients) is rounded once to float32.
 Weight and bias gradients are float64 sums over the T rows in ascending order inside one program (no
 atomics), launched together with the layer's input-gradient GEMV: the backward is two launches.
 """
@@ -167,38 +165,14 @@ def _wgrad_tile(pid, g_ptr, a_ptr, dw_ptr, db_ptr, M, N, K, BLOCK_N: tl.constexp
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["M", "LAYER1_PROGRAMS", "PROGRAMS"])
-def _timestep_mlp_fwd_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, h_ptr, act_ptr, out_ptr, sync_ptr, M, K, H, E,
-                             LAYER1_PROGRAMS, PROGRAMS, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """Both layers in one launch, each output tile computed exactly as a per-layer launch would.
-
-    Programs take tickets in the order they start (``sync[0]``): the first ``LAYER1_PROGRAMS``
-    tickets compute ``linear_1`` + SiLU tiles into ``h``/``act`` and publish each with a release
-    increment of ``sync[1]``; the others compute ``linear_2`` tiles once ``sync[1]`` says every
-    ``act`` tile is out (acquire). A waiting program holds a ticket taken after all the tickets it
-    waits on, whose programs had already started and wait on nothing, so the wait always ends.
-    The integer counters order programs only: no value is combined through them, so the bits are
-    those of two launches. The last program to finish (``sync[2]``) zeroes the counters for the
-    next launch on this stream."""
-    ticket = tl.atomic_add(sync_ptr, 1)
-    if ticket < LAYER1_PROGRAMS:
-        _gemv_tile(ticket, x_ptr, w1_ptr, b1_ptr, h_ptr, act_ptr, M, H, K, K, 1, 1, ROWS, BLOCK_N, BLOCK_K,
-                   INTERPRET)
-        # every thread's stores of the tile, then one release that publishes them
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr + 1, 1, sem="release")
-    else:
-        # acquire reads (an atomic add of 0 whose result is used, so the compiler keeps it)
-        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") < LAYER1_PROGRAMS:
-            pass
-        tl.debug_barrier()
-        _gemv_tile(ticket - LAYER1_PROGRAMS, act_ptr, w2_ptr, b2_ptr, None, out_ptr, M, E, H, H, 1, 0, ROWS,
-                   BLOCK_N, BLOCK_K, INTERPRET)
-    if tl.atomic_add(sync_ptr + 2, 1) == PROGRAMS - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_xchg(sync_ptr + 1, 0)
-        tl.atomic_xchg(sync_ptr + 2, 0)
+@triton.jit(do_not_specialize=["M"])
+def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, EPILOGUE: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             INTERPRET: tl.constexpr):
+    """One layer of the forward: ``(M, K) @ w(N, K)ᵀ`` (w row-major) and its epilogue, one program
+    per ``[ROWS, BLOCK_N]`` output tile. ``M`` is not specialized, so every T runs one binary."""
+    _gemv_tile(tl.program_id(0), a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, K, 1, EPILOGUE, ROWS,
+               BLOCK_N, BLOCK_K, INTERPRET)
 
 
 @fast_launch
@@ -295,7 +269,7 @@ def _gemv_programs(m: int, n: int, cfg) -> int:
 
 def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trusted launcher: returns ``(out (T, E), h (T, H) linear_1 output, act (T, H) SiLU output)``.
-    One launch for both layers; each output element is one float64 sum over K rounded once."""
+    Two launches, one per layer; each output element is one float64 sum over K rounded once."""
     (rows, k), hidden, embed = x.shape, w1.shape[0], w2.shape[0]
     device = x.device
     # Int sizes, not tuples: the same tensors with less argument parsing.
@@ -304,24 +278,11 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     out = torch.empty(rows, embed, dtype=torch.float32, device=device)
     block_rows, block_n, kwargs = _mlp_fwd_args(x)
     row_blocks = cdiv(rows, block_rows)
-    layer1 = cdiv(hidden, block_n) * row_blocks
-    programs = layer1 + cdiv(embed, block_n) * row_blocks
-    _timestep_mlp_fwd_kernel[(programs,)](x, w1, b1, w2, b2, h, act, out, _sync_counters(device), rows, k, hidden,
-                                          embed, layer1, programs, **kwargs)
+    _timestep_mlp_fwd_kernel[(cdiv(hidden, block_n) * row_blocks,)](x, w1, b1, h, act, rows, hidden, k,
+                                                                      EPILOGUE=1, **kwargs)
+    _timestep_mlp_fwd_kernel[(cdiv(embed, block_n) * row_blocks,)](act, w2, b2, None, out, rows, embed, hidden,
+                                                                     EPILOGUE=0, **kwargs)
     return out, h, act
-
-
-# (device, stream) -> the forward's three int32 counters (zero between launches: each launch's last
-# program resets them). One set per stream, so launches on concurrent streams never share one.
-_SYNC: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _sync_counters(device: torch.device) -> torch.Tensor:
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    counters = _SYNC.get((device, stream))
-    if counters is None:
-        counters = _SYNC[(device, stream)] = torch.zeros(3, dtype=torch.int32, device=device)
-    return counters
 
 
 # (device, interpreter) -> (ROWS, BLOCK_N, the forward's keyword arguments but EPILOGUE): the frozen
