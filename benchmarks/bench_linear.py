@@ -183,16 +183,14 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=0, FLAT_UNITS=0, FLATTEN=0),
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLAT_UNITS=1, FLATTEN=1)]
     # then smaller tiles (more, shorter waves: N = 5376 at M = 4096 leaves a 0.18 last wave of 128x128
-    # tiles), two persistent programs per SM, deeper pipelines and other tile-group heights
+    # tiles), deeper pipelines and other tile-group heights (none beat 128x128 there in the sweep of
+    # 49d5e61, which also tried two persistent programs per SM)
     return [base, mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=0),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1),
             mk(8, 3, BLOCK_I=256, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1),
             mk(4, 4, BLOCK_I=128, BLOCK_J=64, EPI_SPLIT=0, FLATTEN=1),
-            mk(4, 3, BLOCK_I=128, BLOCK_J=64, EPI_SPLIT=0, FLATTEN=1, PER_SM=2),
             mk(4, 4, BLOCK_I=64, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1),
-            mk(4, 3, BLOCK_I=64, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1, PER_SM=2),
-            mk(8, 3, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1, PER_SM=2),
             mk(8, 5, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1, GROUP_I=16),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1, GROUP_I=4)]

@@ -182,8 +182,7 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
                             EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, FLAT_UNITS: tl.constexpr,
                             BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
                             GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
-    """TMA variant: persistent programs (``PER_SM`` per SM, from the config) walk the grouped tile
-    order with stride NUM_PROGRAMS.
+    """TMA variant: persistent programs walk the grouped tile order with stride NUM_PROGRAMS.
 
     Descriptor blocks: A is (BLOCK_I, BLOCK_R), or (BLOCK_R, BLOCK_I) when stored transposed
     (A_T); B is (BLOCK_R, BLOCK_J), or (BLOCK_J, BLOCK_R) when B_T; C is (BLOCK_I, BLOCK_J), or
@@ -286,12 +285,10 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _tma_flags(cfg: LaunchConfig) -> tuple[bool, bool, bool, int]:
-    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, PER_SM)`` of a TMA config, each optional (absent: off, and
-    one persistent program per SM)."""
+def _tma_flags(cfg: LaunchConfig) -> tuple[bool, bool, bool]:
+    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS)`` of a TMA config, each optional (absent: off)."""
     blocks = dict(cfg.blocks)
-    return (*(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS")),
-            blocks.get("PER_SM", 1))
+    return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS"))
 
 
 def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
@@ -307,11 +304,11 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
     if cfg["TMA"]:
         a, b = _tma_ready(a), _tma_ready(b)
-        epi_split, flatten, flat_units, per_sm = _tma_flags(cfg)
+        epi_split, flatten, flat_units = _tma_flags(cfg)
         a_desc = TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br])
         b_desc = TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj])
         c_desc = TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj])
-        programs = _INTERP_PROGRAMS if c.device.type != "cuda" else per_sm * _num_programs(c.device.index or 0)
+        programs = _INTERP_PROGRAMS if c.device.type != "cuda" else _num_programs(c.device.index or 0)
         programs = min(programs, tiles)
         _linear_gemm_tma_kernel[(programs,)](
             a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
