@@ -10,11 +10,12 @@ Each entry carries a note saying how and where it was chosen.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from flowlock.ops._triton_utils import arch_of, dtype_key
+from flowlock.ops._triton_utils import arch_of_device, dtype_key
 
 
 @dataclass(frozen=True)
@@ -57,19 +58,18 @@ def launch_config(op: str, dtype: torch.dtype, arch: str, shape: tuple[int, ...]
             return _CONFIGS[key]
     raise KeyError(f"no launch config for op={op} dtype={d} arch={arch} shape={shape}")
 
-_MEMO: dict[tuple[str, torch.dtype, torch.device, tuple[int, ...]], LaunchConfig] = {}
-
-
 def config_for(op: str, t: torch.Tensor, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None
                ) -> LaunchConfig:
-    """``launch_config(op, dtype or t.dtype, arch_of(t), shape)`` for the device holding ``t``, memoized:
-    the table never changes after import, and walking its keys plus inspecting the device costs a few
-    us of host time per launch, which small-S calls feel."""
-    key = (op, dtype or t.dtype, t.device, shape)
-    cfg = _MEMO.get(key)
-    if cfg is None:
-        cfg = _MEMO[key] = launch_config(op, key[1], arch_of(t), shape)
-    return cfg
+    """``launch_config(op, dtype or t.dtype, arch_of(t), shape)`` for the device holding ``t`` (memoized,
+    see :func:`config_on`)."""
+    return config_on(op, dtype or t.dtype, t.device, shape)
+
+
+@functools.cache
+def config_on(op: str, dtype: torch.dtype, device: torch.device, shape: tuple[int, ...] = ()) -> LaunchConfig:
+    """``launch_config`` for a device, memoized: the table never changes after import, and walking its
+    keys plus inspecting the device costs a few us of host time per launch, which small-S calls feel."""
+    return launch_config(op, dtype, arch_of_device(device), shape)
 
 
 # norms (segment_sum, rms_norm, rms_norm_modulate, gate_residual): sizes by design, not yet timed on an H200.

@@ -23,9 +23,14 @@ def device_arch(index: int = 0) -> str:
 
 def arch_of(t: torch.Tensor) -> str:
     """Architecture key for the device holding ``t``."""
-    if t.device.type != "cuda":
+    return arch_of_device(t.device)
+
+
+def arch_of_device(device: torch.device) -> str:
+    """Architecture key of ``device``: ``"interp"`` off CUDA."""
+    if device.type != "cuda":
         return "interp"
-    return device_arch(t.device.index or 0)
+    return device_arch(device.index or 0)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -12,11 +12,13 @@ before one BF16 rounding. The row gather's backward is in :mod:`flowlock.ops.ada
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import config_for
+from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
@@ -163,7 +165,7 @@ def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
     rounded to BF16 in the kernel) or bf16, weight (N, E) bf16. Trusted: inputs are not validated."""
     t, e = act.shape
     n = weight.shape[0]
-    block_n, block_t, kwargs = _table_fwd_args(weight)
+    block_n, block_t, kwargs = _table_fwd_args(weight.dtype, weight.device, interpreter_active())
     # Int sizes, not a tuple: the same tensor with less argument parsing.
     out = torch.empty(t, n, dtype=torch.float32, device=act.device)
     _adaln_table_fwd_kernel[(cdiv(n, block_n), cdiv(t, block_t))](act, weight, bias, out, t, n, e, **kwargs)
@@ -172,31 +174,21 @@ def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
 
 # Launch arguments derived from the frozen configs, read once per (dtype, device[, interpreter]) rather
 # than field by field on every call.
-_TABLE_FWD_ARGS: dict[tuple, tuple[int, int, dict]] = {}
-_GATHER_ARGS: dict[tuple, tuple[int, int, dict]] = {}
-
-
-def _table_fwd_args(weight: torch.Tensor) -> tuple[int, int, dict]:
+@functools.cache
+def _table_fwd_args(dtype: torch.dtype, device: torch.device, upcast: bool) -> tuple[int, int, dict]:
     """``(BLOCK_N, BLOCK_T, keyword arguments)`` of the projection forward."""
-    key = (weight.dtype, weight.device, interpreter_active())
-    args = _TABLE_FWD_ARGS.get(key)
-    if args is None:
-        cfg = config_for("adaln_proj_fwd", weight)
-        kwargs = dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=key[2],
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        args = _TABLE_FWD_ARGS[key] = (cfg["BLOCK_N"], cfg["BLOCK_T"], kwargs)
-    return args
+    cfg = config_on("adaln_proj_fwd", dtype, device)
+    return cfg["BLOCK_N"], cfg["BLOCK_T"], dict(BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
+                                                BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast, num_warps=cfg.num_warps,
+                                                num_stages=cfg.num_stages)
 
 
-def _gather_args(table: torch.Tensor) -> tuple[int, int, dict]:
+@functools.cache
+def _gather_args(dtype: torch.dtype, device: torch.device) -> tuple[int, int, dict]:
     """``(BLOCK_S, BLOCK_H, keyword arguments)`` of the row gather."""
-    key = (table.dtype, table.device)
-    args = _GATHER_ARGS.get(key)
-    if args is None:
-        cfg = config_for("adaln_gather", table)
-        kwargs = dict(BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg.num_warps)
-        args = _GATHER_ARGS[key] = (cfg["BLOCK_S"], cfg["BLOCK_H"], kwargs)
-    return args
+    cfg = config_on("adaln_gather", dtype, device)
+    return cfg["BLOCK_S"], cfg["BLOCK_H"], dict(BLOCK_S=cfg["BLOCK_S"], BLOCK_H=cfg["BLOCK_H"],
+                                                num_warps=cfg.num_warps)
 
 
 def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, weight: torch.Tensor,
@@ -244,7 +236,7 @@ def adaln_modulation_fwd(projected: torch.Tensor, timestep_indices: torch.Tensor
     from the contiguous ``(T, 18H)`` projection output it views (row stride ``6H``) without the view op."""
     s = timestep_indices.shape[0]
     h = projected.shape[1] // 18
-    block_s, block_h, kwargs = _gather_args(projected)
+    block_s, block_h, kwargs = _gather_args(projected.dtype, projected.device)
     device = projected.device
     # Int sizes, not a tuple: the same tensors with less argument parsing.
     outs = [torch.empty(s, h, dtype=torch.bfloat16, device=device) for _ in range(6)]

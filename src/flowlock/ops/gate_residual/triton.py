@@ -8,11 +8,13 @@ backward launch writes d_y and the d_gate tile partials, then the shared fold ru
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import config_for
+from flowlock.config import config_for, config_on
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
@@ -76,21 +78,15 @@ def _gate_residual_bwd_kernel(
     segment_partials(v, segment, partials_ptr + tile.to(tl.int64) * R * H + cols, R, H, col_mask)
 
 
-# (dtype, device) -> (ROWS, BLOCK_H, the forward's keyword arguments): the frozen config read once, not
-# field by field on every call.
-_FWD_ARGS: dict[tuple[torch.dtype, torch.device], tuple[int, int, dict]] = {}
-
-
-def _fwd_args(y: torch.Tensor) -> tuple[int, int, dict]:
-    key = (y.dtype, y.device)
-    args = _FWD_ARGS.get(key)
-    if args is None:
-        cfg = config_for("gate_residual", y)
-        # Eager rounds the product before adding the residual: no fused multiply-add.
-        kwargs = dict(DTYPE=_TL_DTYPE[y.dtype], ROWS=cfg["ROWS"], BLOCK_H=cfg["BLOCK_H"],
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
-        args = _FWD_ARGS[key] = (cfg["ROWS"], cfg["BLOCK_H"], kwargs)
-    return args
+@functools.cache
+def _fwd_args(dtype: torch.dtype, device: torch.device) -> tuple[int, int, dict]:
+    """``(ROWS, BLOCK_H, the forward's keyword arguments)``: the frozen config read once per (dtype,
+    device), not field by field on every call."""
+    cfg = config_on("gate_residual", dtype, device)
+    # Eager rounds the product before adding the residual: no fused multiply-add.
+    return cfg["ROWS"], cfg["BLOCK_H"], dict(DTYPE=_TL_DTYPE[dtype], ROWS=cfg["ROWS"], BLOCK_H=cfg["BLOCK_H"],
+                                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                             enable_fp_fusion=False)
 
 
 def gate_residual_fwd(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
@@ -101,7 +97,7 @@ def gate_residual_fwd(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tenso
     out = torch.empty_like(y)
     if m == 0:
         return out
-    rows, block_h, kwargs = _fwd_args(y)
+    rows, block_h, kwargs = _fwd_args(y.dtype, y.device)
     _gate_residual_kernel[(-(-m // rows), -(-h // block_h))](
         residual, y, gate, index, out, m, h, index.shape[0], gate.stride(0), **kwargs)
     return out

@@ -11,11 +11,13 @@ table gradients are segment sums over all ``(batch x S)`` rows over the same til
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import config_for
+from flowlock.config import config_for, config_on
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
@@ -120,7 +122,7 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
     if m == 0 or h == 0:
         return y, rstd.zero_()
     has_mod = shift is not None
-    rows, kwargs = _fwd_args(x, h, has_mod)
+    rows, kwargs = _fwd_args(x.dtype, x.device, h, has_mod)
     if has_mod:
         _rms_norm_fwd_kernel[(-(-m // rows),)](x, weight, shift, scale, index, y, rstd, m, h, index.shape[0],
                                                  shift.stride(0), scale.stride(0), eps, float(h), **kwargs)
@@ -129,21 +131,14 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
     return y, rstd
 
 
-# (dtype, device, H, modulated) -> (ROWS, the forward's keyword arguments): the frozen config and the
-# block width read once, not on every call.
-_FWD_ARGS: dict[tuple[torch.dtype, torch.device, int, bool], tuple[int, dict]] = {}
-
-
-def _fwd_args(x: torch.Tensor, h: int, has_mod: bool) -> tuple[int, dict]:
-    key = (x.dtype, x.device, h, has_mod)
-    args = _FWD_ARGS.get(key)
-    if args is None:
-        cfg = config_for("rms_norm_fwd", x)
-        # Eager rounds the modulation's product before the add: no fused multiply-add.
-        kwargs = dict(HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], ROWS=cfg["ROWS"], BLOCK_H=_block_h(h),
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
-        args = _FWD_ARGS[key] = (cfg["ROWS"], kwargs)
-    return args
+@functools.cache
+def _fwd_args(dtype: torch.dtype, device: torch.device, h: int, has_mod: bool) -> tuple[int, dict]:
+    """``(ROWS, the forward's keyword arguments)``: the frozen config and the block width, read once
+    per (dtype, device, H, modulated) rather than on every call."""
+    cfg = config_on("rms_norm_fwd", dtype, device)
+    # Eager rounds the modulation's product before the add: no fused multiply-add.
+    return cfg["ROWS"], dict(HAS_MOD=has_mod, DTYPE=_TL_DTYPE[dtype], ROWS=cfg["ROWS"], BLOCK_H=_block_h(h),
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,

@@ -18,12 +18,14 @@ atomics), launched together with the layer's input-gradient GEMV: the backward i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from flowlock.config import config_for
+from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
@@ -276,7 +278,7 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     h = torch.empty(rows, hidden, dtype=torch.float32, device=device)
     act = torch.empty_like(h)
     out = torch.empty(rows, embed, dtype=torch.float32, device=device)
-    block_rows, block_n, kwargs = _mlp_fwd_args(x)
+    block_rows, block_n, kwargs = _mlp_fwd_args(x.device, interpreter_active())
     row_blocks = cdiv(rows, block_rows)
     _timestep_mlp_fwd_kernel[(cdiv(hidden, block_n) * row_blocks,)](x, w1, b1, h, act, rows, hidden, k,
                                                                       EPILOGUE=1, **kwargs)
@@ -285,20 +287,14 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     return out, h, act
 
 
-# (device, interpreter) -> (ROWS, BLOCK_N, the forward's keyword arguments but EPILOGUE): the frozen
-# config read once, not field by field on every call.
-_MLP_FWD_ARGS: dict[tuple[torch.device, bool], tuple[int, int, dict]] = {}
-
-
-def _mlp_fwd_args(x: torch.Tensor) -> tuple[int, int, dict]:
-    key = (x.device, interpreter_active())
-    args = _MLP_FWD_ARGS.get(key)
-    if args is None:
-        cfg = config_for("timestep_mlp", x)
-        kwargs = dict(ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], INTERPRET=key[1],
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_reflect_ftz=False)
-        args = _MLP_FWD_ARGS[key] = (cfg["ROWS"], cfg["BLOCK_N"], kwargs)
-    return args
+@functools.cache
+def _mlp_fwd_args(device: torch.device, interpret: bool) -> tuple[int, int, dict]:
+    """``(ROWS, BLOCK_N, the forward's keyword arguments but EPILOGUE)``: the frozen config read once
+    per (device, interpreter), not field by field on every call."""
+    cfg = config_on("timestep_mlp", torch.float32, device)
+    return cfg["ROWS"], cfg["BLOCK_N"], dict(ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                             INTERPRET=interpret, num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages, enable_reflect_ftz=False)
 
 
 def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, wg_cfg, interpret: bool):
