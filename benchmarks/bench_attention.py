@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -133,17 +134,12 @@ def invariance(attention) -> dict:
     return res
 
 
-# GPU clock cycles of the spin a queued call waits behind (about 5 ms on an H200): the host enqueues the
-# whole call while the device is busy, so the events time the kernels back to back.
-QUEUE_SPIN_CYCLES = 10_000_000
-
-
 def time_ms(fn, queued: bool = False) -> float:
     """Milliseconds of one call between CUDA events, started on an idle device or, when ``queued``,
     enqueued behind a GPU spin (as inside a training step, where the host runs ahead)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if queued:
-        torch.cuda._sleep(QUEUE_SPIN_CYCLES)
+        torch.cuda._sleep(harness.QUEUE_SPIN_CYCLES)
     start.record()
     fn()
     end.record()
