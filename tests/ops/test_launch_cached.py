@@ -135,3 +135,32 @@ def test_nothing_is_kept_when_triton_returns_no_kernel(fake_cuda, monkeypatch):
     assert wrapped[(1,)](x, x, 16, 2.0, B=16) is None
     assert wrapped[(2,)](x, x, 16, 2.0, B=16) is None
     assert compiles == [(1,), (2,)] and not wrapped._compiled
+
+
+def test_prepared_launch_makes_the_c_call_the_full_launch_makes(fake_cuda):
+    kernel, compiles = fake_cuda
+    wrapped = FastLaunch(kernel)
+    x, y = torch.zeros(32), torch.zeros(32)
+    assert wrapped.prepared(x, y, 32, 2.0, B=16, num_warps=4) is None  # not compiled yet
+    first = wrapped[(2,)](x, y, 32, 2.0, B=16, num_warps=4)
+    prepared = wrapped.prepared(x, y, 32, 2.0, B=16, num_warps=4)
+    x2, y2 = torch.ones(32), torch.ones(32)
+    wrapped[(3,)](x2, y2, 32, -1.5, B=16, num_warps=4)
+    prepared(3, 77, x2, y2, 32, -1.5)
+    via_call, via_prepared = first.run.launch.calls
+    assert via_call == via_prepared and len(compiles) == 1
+
+
+def test_prepared_is_for_one_specialization_and_never_under_a_hook(fake_cuda, monkeypatch):
+    kernel, compiles = fake_cuda
+    wrapped = FastLaunch(kernel)
+    base = torch.zeros(64)
+    wrapped[(1,)](base[:16], base, 16, 2.0, B=16)
+    assert wrapped.prepared(base[:16], base, 16, 2.0, B=16) is not None
+    assert wrapped.prepared(base[1:17], base, 16, 2.0, B=16) is None  # misaligned: another specialization
+    assert wrapped.prepared(base[:16], base, 17, 2.0, B=16) is None
+    assert wrapped.prepared(base[:16], base, 16, 2.0, B=32) is None
+    with pytest.raises(ValueError, match="must be constexpr"):
+        wrapped.prepared(base[:16], base, 16, scale=2.0, B=16)
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    assert wrapped.prepared(base[:16], base, 16, 2.0, B=16) is None

@@ -13,6 +13,10 @@ pointer dtype and 16-byte alignment, integer value 1 and divisibility by 16, con
 launch options and the device, so a cached kernel is reused only where Triton would pick the same
 one. Under the interpreter, with a callable grid, or while a Triton launch hook is installed (a
 profiler such as proton), every launch takes Triton's own path.
+
+``prepared(*args, **kwargs)`` goes one step further for an op whose launches repeat with arguments it
+can vouch for: it hands back the compiled launch itself, which the op calls with new positional
+arguments and no binding, specialization or cache lookup at all.
 """
 
 from __future__ import annotations
@@ -79,6 +83,49 @@ class FastLaunch:
         n = len(grid)
         launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *head, *bound.values())
         return compiled
+
+    def prepared(self, *args, **kwargs) -> PreparedLaunch | None:
+        """The compiled kernel a launch with these arguments runs, as a :class:`PreparedLaunch` that
+        takes only the positional arguments; ``None`` under the interpreter, while a launch hook is
+        installed, or before this specialization has been launched once through ``self[grid]``.
+
+        ``args`` are the kernel's leading parameters and ``kwargs`` the rest, all constexpr. The
+        prepared launch is valid for new values of ``args`` that Triton specializes the same way
+        (tensor dtypes and 16-byte alignment, integer values 1 and divisibility by 16); checking that
+        is the caller's job, which is what makes relaunching cheaper than ``self[grid]``.
+        """
+        if self._interpreted or knobs.runtime.launch_enter_hook.calls:
+            return None
+        params = self.kernel.params
+        if not all(p.is_constexpr for p in params[len(args):]):
+            raise ValueError(f"{self.kernel.fn.__name__}: every parameter after the positional ones must be constexpr")
+        device = torch._C._cuda_getDevice()
+        bound, specialization, options = self.kernel.device_caches[device][4](*args, **kwargs)
+        entry = self._compiled.get((device, tuple(specialization), tuple(options.items())))
+        if entry is None:
+            return None
+        _, launch, head = entry
+        return PreparedLaunch(launch, head, tuple(bound.values())[len(args):])
+
+
+class PreparedLaunch:
+    """One compiled specialization's launch: ``prepared(grid_x, stream, *args)`` launches a 1-D grid on
+    ``stream`` (a raw CUDA stream handle) with new positional arguments and the constexpr values it
+    was prepared with. See :meth:`FastLaunch.prepared`."""
+
+    __slots__ = ("_launch", "_head", "_tail")
+
+    def __init__(self, launch: Callable[..., object], head: tuple, tail: tuple):
+        self._launch, self._head, self._tail = launch, head, tail
+
+    def __call__(self, grid_x: int, stream: int, *args) -> None:
+        self._launch(grid_x, 1, 1, stream, *self._head, *args, *self._tail)
+
+
+def launch_hooked() -> bool:
+    """True while a Triton launch hook (a profiler such as proton) is installed: prepared launches
+    would bypass it, so their callers take ``self[grid]`` then."""
+    return bool(knobs.runtime.launch_enter_hook.calls)
 
 
 def fast_launch(kernel: JITFunction) -> FastLaunch:
