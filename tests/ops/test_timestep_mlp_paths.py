@@ -9,6 +9,7 @@ import triton.runtime.interpreter as interpreter
 
 import flowlock
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
+from flowlock.ops.timestep import triton as timestep_triton
 from flowlock.ops.timestep.reference import timestep_mlp_golden, timestep_mlp_reference
 from flowlock.testing import assert_bitwise_equal
 
@@ -141,3 +142,33 @@ def test_mlp_grads_at_least_as_accurate_as_diffusers_on_cuda_at_h3_dims(monkeypa
     gold = _grads(timestep_mlp_golden, x.double(), [p.double() for p in params], grad)
     for name, a, b, gd in zip(NAMES, ours, eager, gold):
         assert _rel_error(a, gd) <= _rel_error(b, gd), (name, _rel_error(a, gd), _rel_error(b, gd))
+
+
+@pytest.mark.gpu
+def test_mlp_prepared_launches_give_the_first_calls_bits_and_misaligned_inputs_skip_them(monkeypatch):
+    """The first call per layer sizes launches through Triton and keeps both launches; later calls
+    with 16-byte-aligned inputs relaunch them (same bits), a misaligned input takes the full path."""
+    monkeypatch.setattr(timestep_triton, "_FWD_PLANS", {})
+    g = torch.Generator().manual_seed(23)
+    params = [p.cuda() for p in _params(23)]
+    x = torch.randn(3, K, generator=g).cuda()
+    first = timestep_mlp(x, *params)
+    (key, plan), = timestep_triton._FWD_PLANS.items()
+    used = []
+
+    def counting(prepared):
+        def call(*args):
+            used.append(args[0])
+            prepared(*args)
+        return call
+
+    timestep_triton._FWD_PLANS[key] = (counting(plan[0]), plan[1], counting(plan[2]), plan[3])
+    again = timestep_mlp(x, *params)
+    assert used == [plan[1] * 3, plan[3] * 3]
+    buf = torch.empty(3 * K + 1, device="cuda")
+    misaligned = buf[1:].view(3, K)
+    misaligned.copy_(x)
+    assert misaligned.data_ptr() % 16
+    off = timestep_mlp(misaligned, *params)
+    assert len(used) == 2
+    assert_bitwise_equal([again, off], [first, first])
