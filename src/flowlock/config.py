@@ -93,14 +93,16 @@ for _dt in ("fp32", "bf16", "fp16"):
     register("euler_step", _dt, "any", _cfg(4, BLOCK=256, note="interpreter-sized"))
     register("euler_step", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
 register("timestep_sinusoid", "fp32", "any", _cfg(4, note="one timestep row of 256 channels per program"))
-register("timestep_mlp", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=64, VEC=4,
+register("timestep_mlp", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=64, VEC=4, PDL=0,
                                              note="interpreter-sized; K = 256 crosses four slices"))
-register("timestep_mlp", "fp32", "sm90", _cfg(4, BLOCK_N=2, BLOCK_K=256, VEC=4,
+register("timestep_mlp", "fp32", "sm90", _cfg(4, BLOCK_N=2, BLOCK_K=256, VEC=4, PDL=1,
                                               note="H200 sweep (diag probe, 45 tile/warp variants, T = 1 and 3): "
                                                    "linear_2 (2688x5376) 27.5 -> 18.8 us at T = 1 and 50.8 -> "
                                                    "35.7 us at T = 3 against the per-slice-tree design; one row "
-                                                   "per program beat four-row groups at T = 1"))
-register("timestep_mlp", "fp32", "sm90", _cfg(2, BLOCK_N=4, BLOCK_K=256, VEC=4,
+                                                   "per program beat four-row groups at T = 1; launched as "
+                                                   "linear_1's programmatic dependent (PDL): both layers 25.5 -> "
+                                                   "24.1 us at T = 1, 45.2 -> 44.4 us at T = 3"))
+register("timestep_mlp", "fp32", "sm90", _cfg(2, BLOCK_N=4, BLOCK_K=256, VEC=4, PDL=1,
                                               note="linear_1 (5376x256): K is one slice; H200 sweep best at T = 1 "
                                                    "(5.5 us) and within 0.5 us of the best at T = 3"),
          (5376, 256))

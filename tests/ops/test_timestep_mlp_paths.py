@@ -172,3 +172,30 @@ def test_mlp_prepared_launches_give_the_first_calls_bits_and_misaligned_inputs_s
     off = timestep_mlp(misaligned, *params)
     assert len(used) == 2
     assert_bitwise_equal([again, off], [first, first])
+
+
+@pytest.mark.gpu
+def test_mlp_programmatic_dependent_launch_gives_the_plain_launches_bits():
+    """linear_2 starts streaming its weights before linear_1 finishes and waits for it before reading
+    the activations: at H3 sizes, alternating inputs (so a missed wait would read the other input's
+    activations), every call equals two plain launches of the same tiles."""
+    g = torch.Generator().manual_seed(29)
+    params = [p.cuda() for p in (torch.randn(5376, 256, generator=g) / 16, torch.randn(5376, generator=g),
+                                 torch.randn(2688, 5376, generator=g) / 73, torch.randn(2688, generator=g))]
+    xs = [torch.randn(3, 256, generator=g).cuda() for _ in range(2)]
+    device = xs[0].device
+    second = timestep_triton._mlp_fwd_args(device, False, 2688, 5376, 0)
+    assert second["launch_pdl"] and second["PDL"]
+
+    def plain(x):
+        w1, b1, w2, b2 = params
+        h, act, out = torch.empty(3, 5376, device=device), torch.empty(3, 5376, device=device), torch.empty(
+            3, 2688, device=device)
+        for args, n, k, epilogue in (((x, w1, b1, h, act), 5376, 256, 1), ((act, w2, b2, None, out), 2688, 5376, 0)):
+            kwargs = dict(timestep_triton._mlp_fwd_args(device, False, n, k, epilogue), PDL=False, launch_pdl=False)
+            timestep_triton._timestep_mlp_fwd_kernel[(-(-n // kwargs["BLOCK_N"]) * 3,)](*args, 3, n, k, **kwargs)
+        return out, h, act
+
+    expected = [plain(x) for x in xs]
+    for i in range(20):
+        assert_bitwise_equal(list(timestep_triton.timestep_mlp_fwd(xs[i % 2], *params)), list(expected[i % 2]))

@@ -24,7 +24,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
 
 from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
@@ -114,7 +114,8 @@ def _gemv_rows(a_ptr, w_ptr, m0, M, K, cols64, col_mask, stride_wn, stride_wk, R
 
 
 @triton.jit
-def _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+def _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+              WAIT: tl.constexpr):
     """``[BLOCK_N]`` float64 sums ``Σ_k a[row, k]·w[col, k]`` (a row-major ``(M, K)``, w row-major
     ``(N, K)``) for the forward, one row per program.
 
@@ -123,12 +124,16 @@ def _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K: tl.constexpr, VEC
     the sum. No cross-thread reduction runs inside the K loop (a per-slice ``tl.sum`` across lanes
     made the GEMV ALU-bound), and the next slice's weights load while this one is multiplied
     (registers: these loads feed no ``tl.dot``, so Triton's pipeliner leaves them alone). The order
-    depends on K and the config alone, never on the row or on M."""
+    depends on K and the config alone, never on the row or on M. With ``WAIT`` (a programmatic
+    dependent launch) the first weight slice is requested before waiting for the previous kernel,
+    which wrote ``a`` but never ``w``."""
     kk = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     w_rows = w_ptr + cols64[:, None, None] * K
     a_row = a_ptr + row * K
     acc = tl.zeros((cols64.shape[0], BLOCK_K // VEC), dtype=tl.float64)
     w_next = tl.load(w_rows + kk[None, :, :], mask=col_mask[:, None, None] & (kk < K)[None, :, :], other=0.0)
+    if WAIT:
+        gdc_wait()
     a_next = tl.load(a_row + kk, mask=kk < K, other=0.0)
     for k0 in range(0, K, BLOCK_K):
         w, a = w_next, a_next
@@ -201,17 +206,21 @@ def _wgrad_tile(pid, g_ptr, a_ptr, dw_ptr, db_ptr, M, N, K, BLOCK_N: tl.constexp
 @fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, EPILOGUE: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr,
                              INTERPRET: tl.constexpr):
     """One layer of the forward: ``(M, K) @ w(N, K)ᵀ`` (w row-major) and its epilogue, one program per
     row and ``BLOCK_N`` columns (column blocks fastest, so a row's programs run together). ``M`` is
-    not specialized, so every T runs one binary; several rows re-read the weights mostly from L2."""
+    not specialized, so every T runs one binary; several rows re-read the weights mostly from L2.
+    With ``PDL``, linear_1 (``EPILOGUE`` 1) lets the next launch start at once and linear_2, launched
+    as its programmatic dependent, streams its first weights before waiting for linear_1's output."""
+    if PDL and EPILOGUE == 1:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     cols64 = ((pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row = (pid // n_blocks).to(tl.int64)  # int64 so row * K and row * N cannot wrap
     col_mask = cols64 < N
-    acc = _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K, VEC)
+    acc = _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K, VEC, PDL and EPILOGUE != 1)
     _epilogue(acc[None, :], row + tl.arange(0, 1), cols64, col_mask, M, N, bias_ptr, pre_ptr, out_ptr, EPILOGUE,
               INTERPRET)
 
@@ -350,8 +359,10 @@ def _mlp_fwd_args(device: torch.device, interpret: bool, n: int, k: int, epilogu
     """The keyword arguments of the forward layer with an ``(n, k)`` weight: the frozen config read once
     per (device, interpreter, layer), not field by field on every call."""
     cfg = config_on("timestep_mlp", torch.float32, device, (n, k))
-    return dict(EPILOGUE=epilogue, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], VEC=cfg["VEC"],
-                INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_reflect_ftz=False)
+    pdl = bool(cfg["PDL"]) and not interpret
+    return dict(EPILOGUE=epilogue, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], VEC=cfg["VEC"], PDL=pdl,
+                INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_reflect_ftz=False,
+                launch_pdl=pdl and epilogue != 1)
 
 
 def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, wg_cfg, interpret: bool):
