@@ -106,14 +106,15 @@ register("timestep_mlp", "fp32", "sm90", _cfg(2, BLOCK_N=4, BLOCK_K=256, VEC=4, 
                                               note="linear_1 (5376x256): K is one slice; H200 sweep best at T = 1 "
                                                    "(5.5 us) and within 0.5 us of the best at T = 3"),
          (5376, 256))
-register("timestep_mlp_t", "fp32", "any", _cfg(4, ROWS=4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
-register("timestep_mlp_t", "fp32", "sm90", _cfg(4, 3, ROWS=4, BLOCK_N=16, BLOCK_K=128,
-                                                note="by design: transposed W reads, 64 contiguous bytes per K "
-                                                     "row, each program walks all of K; 336 programs for d act"))
-register("timestep_mlp_t", "fp32", "sm90", _cfg(16, 3, ROWS=4, BLOCK_N=16, BLOCK_K=512,
-                                                note="by design: d x = d h @ w1 has 256 columns, so 16 programs; "
-                                                     "32 KB per K step keeps more bytes in flight per program "
-                                                     "(16 warps: 88 registers, no spills, offline sm90 compile)"),
+register("timestep_mlp_t", "fp32", "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
+register("timestep_mlp_t", "fp32", "sm90", _cfg(4, BLOCK_N=16, BLOCK_K=32,
+                                                note="d act = g @ w2 (w2 2688x5376 read along its rows, 64 B per "
+                                                     "k): H200 sweep (diag probe, 40 variants) best over T = 1 "
+                                                     "and 3 (23.4 / 33.7 us alone)"))
+register("timestep_mlp_t", "fp32", "sm90", _cfg(4, BLOCK_N=8, BLOCK_K=256,
+                                                note="d x = d h @ w1 has 256 columns: narrow tiles give 32 "
+                                                     "programs per row; H200 sweep 9.7 / 10.1 us alone at T = 1 / 3 "
+                                                     "(the per-slice-tree design took about 18 / 42 us)"),
          (5376, 256))
 register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
 register("timestep_mlp_wgrad", "fp32", "sm90",

@@ -6,11 +6,11 @@ Sinusoid: one program per timestep; the only arithmetic before sin/cos is the fl
 interpreter has no libdevice and uses numpy's sin/cos instead.
 
 MLP: T is 1..8, so every layer is a GEMV with no padded M tile and no ``tl.dot``, walking all of K in
-ascending ``BLOCK_K`` slices (no K-split partials, so a layer is one launch). A forward program owns
-one row and ``BLOCK_N`` columns, and each thread chains its own products across the slices with one
-tree over the threads at the end; a backward input-gradient program owns ``BLOCK_N`` columns of a
-group of ``ROWS`` rows, reads the weight transposed and reduces each slice. Either way an element's
-sum order is set by K and the config alone, never by T or the row's place, so rows are pure. Sums run
+ascending ``BLOCK_K`` slices (no K-split partials, so a layer is one launch). A program owns one row
+and ``BLOCK_N`` columns, and each thread chains its own products across the slices, with one tree over
+the threads at the end (the backward's input-gradient GEMVs read the weight along the other axis, the
+same way). An element's sum order is set by K and the config alone, never by T or the row's place, so
+rows are pure. Sums run
 in float64 (float32 products are exact there) and every stored value (linear_1 output, SiLU, linear_2
 output, gradients) is rounded once to float32.
 Weight and bias gradients are float64 sums over the T rows in ascending order inside one program (no
@@ -90,30 +90,6 @@ def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.conste
 
 
 @triton.jit
-def _gemv_rows(a_ptr, w_ptr, m0, M, K, cols64, col_mask, stride_wn, stride_wk, ROWS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[ROWS, BLOCK_N]`` float64 sums ``Σ_k a[m0 + r, k]·w[col, k]`` (a row-major ``(M, K)``, w by
-    strides). K is walked in ``BLOCK_K`` slices in ascending order; each ``[BLOCK_N, BLOCK_K]`` weight
-    tile is loaded once and every row of the group reduces it with the same code, so an element's
-    order depends on K and the config alone, never on M or on the row's place in the group. float32
-    products are exact in float64 (48 significant bits), so the only roundings are the float64 adds."""
-    slots = tl.arange(0, ROWS)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float64)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks.to(tl.int64)[None, :] * stride_wk,
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float64)
-        for r in tl.static_range(ROWS):
-            row = m0 + r
-            if row < M:  # the last group's missing rows cost nothing (T = 1 runs one row, not ROWS)
-                a = tl.load(a_ptr + row * K + ks, mask=k_mask, other=0.0).to(tl.float64)
-                part = tl.sum(w * a[None, :], axis=1)
-                acc = tl.where(slots[:, None] == r, acc + part[None, :], acc)
-    return acc
-
-
-@triton.jit
 def _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
               WAIT: tl.constexpr):
     """``[BLOCK_N]`` float64 sums ``Σ_k a[row, k]·w[col, k]`` (a row-major ``(M, K)``, w row-major
@@ -145,6 +121,40 @@ def _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K: tl.constexpr, VEC
 
 
 @triton.jit
+def _gemv_t_row(g_ptr, w_ptr, row, N, K, cols64, col_mask, BLOCK_K: tl.constexpr):
+    """``[BLOCK_N]`` float64 sums ``Σ_k g[row, k]·w[k, col]`` (g row-major ``(M, K)``, w row-major
+    ``(K, N)``: the backward reads the forward's weight along its contiguous axis), one row per program.
+
+    The :func:`_gemv_row` scheme turned sideways: each thread keeps its own ``(k, col)`` products in a
+    ``[BLOCK_K, BLOCK_N]`` float64 accumulator, slice after slice in ascending k, and one tree over k
+    ends the sum, so no cross-lane reduction runs inside the loop; the next slice is prefetched into
+    registers. The order depends on K and the config alone."""
+    ks = tl.arange(0, BLOCK_K)
+    w_cols = w_ptr + cols64[None, :]
+    g_row = g_ptr + row * K
+    acc = tl.zeros((BLOCK_K, cols64.shape[0]), dtype=tl.float64)
+    w_next = tl.load(w_cols + ks.to(tl.int64)[:, None] * N, mask=(ks < K)[:, None] & col_mask[None, :], other=0.0)
+    g_next = tl.load(g_row + ks, mask=ks < K, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        w, g = w_next, g_next
+        kn = ks + (k0 + BLOCK_K)
+        w_next = tl.load(w_cols + kn.to(tl.int64)[:, None] * N, mask=(kn < K)[:, None] & col_mask[None, :],
+                         other=0.0)
+        g_next = tl.load(g_row + kn, mask=kn < K, other=0.0)
+        acc += w.to(tl.float64) * g.to(tl.float64)[:, None]
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _row_tile(pid, N, BLOCK_N: tl.constexpr):
+    """``(row, cols, col_mask)`` of a one-row GEMV program: column blocks count fastest, so a row's
+    programs run together; int64 so ``row * K`` and ``row * N`` cannot wrap."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    cols64 = ((pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return (pid // n_blocks).to(tl.int64), cols64, cols64 < N
+
+
+@triton.jit
 def _epilogue(acc, rows, cols64, col_mask, M, N, bias_ptr, pre_ptr, out_ptr, EPILOGUE: tl.constexpr,
               INTERPRET: tl.constexpr):
     """Finish a ``[R, BLOCK_N]`` float64 tile of ``rows``: the epilogue runs in float64 and rounds each
@@ -165,20 +175,6 @@ def _epilogue(acc, rows, cols64, col_mask, M, N, bias_ptr, pre_ptr, out_ptr, EPI
         tl.store(out_ptr + offs, (acc * (sig * (1.0 + pre * (1.0 - sig)))).to(tl.float32), mask=mask)
     else:
         tl.store(out_ptr + offs, acc.to(tl.float32), mask=mask)
-
-
-@triton.jit
-def _gemv_tile(pid, a_ptr, w_ptr, pre_ptr, out_ptr, M, N, K, stride_wn, stride_wk, EPILOGUE: tl.constexpr,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """One backward program's ``[ROWS, BLOCK_N]`` input-gradient tile (``pid`` counts column blocks
-    fastest), through :func:`_epilogue`."""
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    cols = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m0 = (pid // n_blocks).to(tl.int64) * ROWS  # int64 so row * K and row * N cannot wrap
-    col_mask = cols < N
-    cols64 = cols.to(tl.int64)
-    acc = _gemv_rows(a_ptr, w_ptr, m0, M, K, cols64, col_mask, stride_wn, stride_wk, ROWS, BLOCK_N, BLOCK_K)
-    _epilogue(acc, m0 + tl.arange(0, ROWS), cols64, col_mask, M, N, None, pre_ptr, out_ptr, EPILOGUE, INTERPRET)
 
 
 @triton.jit
@@ -215,11 +211,7 @@ def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, 
     as its programmatic dependent, streams its first weights before waiting for linear_1's output."""
     if PDL and EPILOGUE == 1:
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    cols64 = ((pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row = (pid // n_blocks).to(tl.int64)  # int64 so row * K and row * N cannot wrap
-    col_mask = cols64 < N
+    row, cols64, col_mask = _row_tile(tl.program_id(0), N, BLOCK_N)
     acc = _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K, VEC, PDL and EPILOGUE != 1)
     _epilogue(acc[None, :], row + tl.arange(0, 1), cols64, col_mask, M, N, bias_ptr, pre_ptr, out_ptr, EPILOGUE,
               INTERPRET)
@@ -228,18 +220,21 @@ def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, 
 @fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _timestep_mlp_bwd_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, wa_ptr, dw_ptr, db_ptr, M, N, K, GEMV_PROGRAMS,
-                             INPUT_GRAD: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WG_BLOCK_N: tl.constexpr,
-                             WG_BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                             INPUT_GRAD: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, WG_BLOCK_N: tl.constexpr, WG_BLOCK_K: tl.constexpr,
+                             INTERPRET: tl.constexpr):
     """One layer of the backward in one launch: with ``INPUT_GRAD``, the first ``GEMV_PROGRAMS`` programs
-    compute the input gradient ``g(M, K) @ w(K, N)`` (w row-major ``(K, N)``, read transposed) with its epilogue;
-    the rest compute the weight and bias gradients of ``g`` against the layer input ``wa (M, N)``.
-    The two write disjoint outputs; the long-running GEMV programs come first so they start first."""
+    compute the input gradient ``g(M, K) @ w(K, N)`` (w row-major ``(K, N)``), one row and ``BLOCK_N``
+    columns each, with its epilogue; the rest compute the weight and bias gradients of ``g`` against the
+    layer input ``wa (M, N)``. The two write disjoint outputs; the long-running GEMV programs come first
+    so they start first."""
     pid = tl.program_id(0)
     if INPUT_GRAD:
         if pid < GEMV_PROGRAMS:
-            _gemv_tile(pid, g_ptr, w_ptr, pre_ptr, out_ptr, M, N, K, 1, N, EPILOGUE, ROWS, BLOCK_N, BLOCK_K,
-                       INTERPRET)
+            row, cols64, col_mask = _row_tile(pid, N, BLOCK_N)
+            acc = _gemv_t_row(g_ptr, w_ptr, row, N, K, cols64, col_mask, BLOCK_K)
+            _epilogue(acc[None, :], row + tl.arange(0, 1), cols64, col_mask, M, N, None, pre_ptr, out_ptr, EPILOGUE,
+                      INTERPRET)
         else:
             _wgrad_tile(pid - GEMV_PROGRAMS, g_ptr, wa_ptr, dw_ptr, db_ptr, M, K, N, WG_BLOCK_N, WG_BLOCK_K)
     else:
@@ -374,11 +369,11 @@ def _layer_bwd(g, w, layer_in, pre, epilogue: int, needs_input_grad: bool, wg_cf
     din = torch.empty((rows, n), dtype=torch.float32, device=g.device) if needs_input_grad else None
     dw = torch.empty((k, n), dtype=torch.float32, device=g.device)
     db = torch.empty((k,), dtype=torch.float32, device=g.device)
-    gemv = cdiv(n, cfg["BLOCK_N"]) * cdiv(rows, cfg["ROWS"]) if needs_input_grad else 0
+    gemv = cdiv(n, cfg["BLOCK_N"]) * rows if needs_input_grad else 0
     wgrad = cdiv(k, wg_cfg["BLOCK_N"]) * cdiv(n, wg_cfg["BLOCK_K"])
     _timestep_mlp_bwd_kernel[(gemv + wgrad,)](
         g, w, pre, din, layer_in, dw, db, rows, n, k, gemv, INPUT_GRAD=needs_input_grad, EPILOGUE=epilogue,
-        ROWS=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], WG_BLOCK_N=wg_cfg["BLOCK_N"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], WG_BLOCK_N=wg_cfg["BLOCK_N"],
         WG_BLOCK_K=wg_cfg["BLOCK_K"], INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_reflect_ftz=False)
     return din, dw, db
