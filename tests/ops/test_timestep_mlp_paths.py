@@ -193,7 +193,7 @@ def test_mlp_programmatic_dependent_launch_gives_the_plain_launches_bits():
             3, 2688, device=device)
         for args, n, k, epilogue in (((x, w1, b1, h, act), 5376, 256, 1), ((act, w2, b2, None, out), 2688, 5376, 0)):
             kwargs = dict(timestep_triton._mlp_fwd_args(device, False, n, k, epilogue), PDL=False, launch_pdl=False)
-            timestep_triton._timestep_mlp_fwd_kernel[(-(-n // kwargs["BLOCK_N"]) * 3,)](*args, 3, n, k, **kwargs)
+            timestep_triton._timestep_mlp_fwd_kernel[(-(-n // kwargs["BLOCK_N"]) * 3,)](*args, n, k, **kwargs)
         return out, h, act
 
     expected = [plain(x) for x in xs]

@@ -10,9 +10,8 @@ ascending ``BLOCK_K`` slices (no K-split partials, so a layer is one launch). A 
 and ``BLOCK_N`` columns, and each thread chains its own products across the slices, with one tree over
 the threads at the end (the backward's input-gradient GEMVs read the weight along the other axis, the
 same way). An element's sum order is set by K and the config alone, never by T or the row's place, so
-rows are pure. Sums run
-in float64 (float32 products are exact there) and every stored value (linear_1 output, SiLU, linear_2
-output, gradients) is rounded once to float32.
+rows are pure. Sums run in float64 (float32 products are exact there) and every stored value
+(linear_1 output, SiLU, linear_2 output, gradients) is rounded once to float32.
 Weight and bias gradients are float64 sums over the T rows in ascending order inside one program (no
 atomics), launched together with the layer's input-gradient GEMV: the backward is two launches.
 """
@@ -155,26 +154,25 @@ def _row_tile(pid, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, rows, cols64, col_mask, M, N, bias_ptr, pre_ptr, out_ptr, EPILOGUE: tl.constexpr,
+def _epilogue(acc, row, cols64, col_mask, N, bias_ptr, pre_ptr, out_ptr, EPILOGUE: tl.constexpr,
               INTERPRET: tl.constexpr):
-    """Finish a ``[R, BLOCK_N]`` float64 tile of ``rows``: the epilogue runs in float64 and rounds each
-    stored value once to float32. ``EPILOGUE`` 0 adds ``bias`` (if given); 1 adds ``bias``, stores that
-    to ``pre`` and writes its SiLU; 2 multiplies by ``silu'(pre)`` (the SiLU backward)."""
-    offs = rows[:, None] * N + cols64[None, :]
-    mask = (rows < M)[:, None] & col_mask[None, :]
+    """Finish one row's ``[BLOCK_N]`` float64 sums: the epilogue runs in float64 and rounds each stored
+    value once to float32. ``EPILOGUE`` 0 adds ``bias`` (if given); 1 adds ``bias``, stores that to
+    ``pre`` and writes its SiLU; 2 multiplies by ``silu'(pre)`` (the SiLU backward)."""
+    offs = row * N + cols64
     if bias_ptr is not None:
-        acc = acc + tl.load(bias_ptr + cols64, mask=col_mask, other=0.0).to(tl.float64)[None, :]
+        acc = acc + tl.load(bias_ptr + cols64, mask=col_mask, other=0.0).to(tl.float64)
     if EPILOGUE == 1:
         pre = acc.to(tl.float32)
-        tl.store(pre_ptr + offs, pre, mask=mask)
+        tl.store(pre_ptr + offs, pre, mask=col_mask)
         pre64 = pre.to(tl.float64)
-        tl.store(out_ptr + offs, (pre64 / (1.0 + _exp(-pre64, INTERPRET))).to(tl.float32), mask=mask)
+        tl.store(out_ptr + offs, (pre64 / (1.0 + _exp(-pre64, INTERPRET))).to(tl.float32), mask=col_mask)
     elif EPILOGUE == 2:
-        pre = tl.load(pre_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        pre = tl.load(pre_ptr + offs, mask=col_mask, other=0.0).to(tl.float64)
         sig = 1.0 / (1.0 + _exp(-pre, INTERPRET))
-        tl.store(out_ptr + offs, (acc * (sig * (1.0 + pre * (1.0 - sig)))).to(tl.float32), mask=mask)
+        tl.store(out_ptr + offs, (acc * (sig * (1.0 + pre * (1.0 - sig)))).to(tl.float32), mask=col_mask)
     else:
-        tl.store(out_ptr + offs, acc.to(tl.float32), mask=mask)
+        tl.store(out_ptr + offs, acc.to(tl.float32), mask=col_mask)
 
 
 @triton.jit
@@ -200,21 +198,20 @@ def _wgrad_tile(pid, g_ptr, a_ptr, dw_ptr, db_ptr, M, N, K, BLOCK_N: tl.constexp
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["M"])
-def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, M, N, K, EPILOGUE: tl.constexpr,
+@triton.jit
+def _timestep_mlp_fwd_kernel(a_ptr, w_ptr, bias_ptr, pre_ptr, out_ptr, N, K, EPILOGUE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr,
                              INTERPRET: tl.constexpr):
     """One layer of the forward: ``(M, K) @ w(N, K)ᵀ`` (w row-major) and its epilogue, one program per
-    row and ``BLOCK_N`` columns (column blocks fastest, so a row's programs run together). ``M`` is
-    not specialized, so every T runs one binary; several rows re-read the weights mostly from L2.
+    row and ``BLOCK_N`` columns (column blocks fastest, so a row's programs run together); the grid
+    sets the rows, so every T runs one binary and several rows re-read the weights mostly from L2.
     With ``PDL``, linear_1 (``EPILOGUE`` 1) lets the next launch start at once and linear_2, launched
     as its programmatic dependent, streams its first weights before waiting for linear_1's output."""
     if PDL and EPILOGUE == 1:
         gdc_launch_dependents()
     row, cols64, col_mask = _row_tile(tl.program_id(0), N, BLOCK_N)
     acc = _gemv_row(a_ptr, w_ptr, row, K, cols64, col_mask, BLOCK_K, VEC, PDL and EPILOGUE != 1)
-    _epilogue(acc[None, :], row + tl.arange(0, 1), cols64, col_mask, M, N, bias_ptr, pre_ptr, out_ptr, EPILOGUE,
-              INTERPRET)
+    _epilogue(acc, row, cols64, col_mask, N, bias_ptr, pre_ptr, out_ptr, EPILOGUE, INTERPRET)
 
 
 @fast_launch
@@ -233,8 +230,7 @@ def _timestep_mlp_bwd_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, wa_ptr, dw_ptr, db_
         if pid < GEMV_PROGRAMS:
             row, cols64, col_mask = _row_tile(pid, N, BLOCK_N)
             acc = _gemv_t_row(g_ptr, w_ptr, row, N, K, cols64, col_mask, BLOCK_K)
-            _epilogue(acc[None, :], row + tl.arange(0, 1), cols64, col_mask, M, N, None, pre_ptr, out_ptr, EPILOGUE,
-                      INTERPRET)
+            _epilogue(acc, row, cols64, col_mask, N, None, pre_ptr, out_ptr, EPILOGUE, INTERPRET)
         else:
             _wgrad_tile(pid - GEMV_PROGRAMS, g_ptr, wa_ptr, dw_ptr, db_ptr, M, K, N, WG_BLOCK_N, WG_BLOCK_K)
     else:
@@ -328,16 +324,16 @@ def timestep_mlp_fwd(x, w1, b1, w2, b2) -> tuple[torch.Tensor, torch.Tensor, tor
     interpret = interpreter_active()
     aligned = not interpret and not (x.data_ptr() | w1.data_ptr() | b1.data_ptr() | w2.data_ptr() | b2.data_ptr()) & 15
     key = (torch._C._cuda_getDevice(), hidden, k, embed) if aligned else None
-    plan = _FWD_PLANS.get(key) if aligned else None
+    plan = _FWD_PLANS.get(key)
     if plan is not None and not launch_hooked():
         first, first_blocks, second, second_blocks = plan
         stream = torch._C._cuda_getCurrentRawStream(key[0])
-        first(first_blocks * rows, stream, x, w1, b1, h, act, rows, hidden, k)
-        second(second_blocks * rows, stream, act, w2, b2, None, out, rows, embed, hidden)
+        first(first_blocks * rows, stream, x, w1, b1, h, act, hidden, k)
+        second(second_blocks * rows, stream, act, w2, b2, None, out, embed, hidden)
         return out, h, act
-    first_args, first_kwargs = (x, w1, b1, h, act, rows, hidden, k), _mlp_fwd_args(x.device, interpret, hidden, k, 1)
-    second_args, second_kwargs = (act, w2, b2, None, out, rows, embed, hidden), _mlp_fwd_args(x.device, interpret,
-                                                                                               embed, hidden, 0)
+    first_args, first_kwargs = (x, w1, b1, h, act, hidden, k), _mlp_fwd_args(x.device, interpret, hidden, k, 1)
+    second_args, second_kwargs = (act, w2, b2, None, out, embed, hidden), _mlp_fwd_args(x.device, interpret, embed,
+                                                                                          hidden, 0)
     first_blocks, second_blocks = cdiv(hidden, first_kwargs["BLOCK_N"]), cdiv(embed, second_kwargs["BLOCK_N"])
     _timestep_mlp_fwd_kernel[(first_blocks * rows,)](*first_args, **first_kwargs)
     _timestep_mlp_fwd_kernel[(second_blocks * rows,)](*second_args, **second_kwargs)
