@@ -150,8 +150,8 @@ def _plot_demo(payload: dict, path: Path) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from flowlock.models.minimax_h3.layout import layout_for_length
-    from flowlock.rl.consistency import run_consistency
     from flowlock.validate.chain import chain_replay
+    from flowlock.validate.consistency import run_consistency
 
     device = _device(args.device)
     model, origin = _load_model(args.model, device, args.width, args.layers)
@@ -263,7 +263,7 @@ def _suite_trace(model) -> dict:
 
 
 def _suite_consistency(model) -> dict:
-    from flowlock.rl.consistency import run_consistency
+    from flowlock.validate.consistency import run_consistency
 
     strict = run_consistency(model, n_samples=3, steps=2, mode="strict")
     return {"passed": strict["bitwise_equal"], "max_abs_dlogp": strict["max_abs_dlogp"]}
