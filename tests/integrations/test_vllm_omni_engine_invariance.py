@@ -12,6 +12,7 @@ from engine_inputs import diffusers_kwargs, make_request, native_kwargs, request
 
 import flowlock
 import flowlock.integrations.vllm_omni.forward as native_forward
+from flowlock.integrations.vllm_omni.replay import diffusers_requests
 from flowlock.rl import cps_step, joint_log_prob, noise
 from flowlock.testing import assert_bitwise_equal, assert_repeatable
 
@@ -65,6 +66,27 @@ def test_packed_requests_bitwise_equal_to_each_alone_in_both_engines(engines):
         rows = request_rows(requests, i, video, audio)
         assert_bitwise_equal(rows, _native(native, [request]), f"request {i}: packed vs alone")
         assert_bitwise_equal(rows, _diffusers(diffusers, request), f"request {i}: packed vs diffusers")
+
+
+def test_replay_splits_a_packed_forward_into_each_request_alone(engines):
+    diffusers, native = engines
+    requests = [make_request(seed=15, keyframe=True), make_request(seed=16, seq_len=30, text_len=4)]
+    packed = native_kwargs(requests)
+    video, audio = _native(native, requests)
+    replays = diffusers_requests(packed)
+    assert len(replays) == len(requests)
+    for i, (request, replay) in enumerate(zip(requests, replays)):
+        expected = diffusers_kwargs(request)
+        assert replay.kwargs.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(replay.kwargs[name], value), f"request {i} {name}"
+        assert torch.equal(replay.update_mask, request.branch.update_mask)
+        rows = video[replay.video_rows], audio[replay.audio_rows]
+        assert_bitwise_equal(rows, request_rows(requests, i, video, audio), f"request {i} output rows")
+        with torch.no_grad():
+            out = diffusers(**replay.kwargs)
+        assert_bitwise_equal(rows, (out.sample[0] * replay.update_mask.unsqueeze(-1), out.audio_sample[0]),
+                             f"request {i}: replayed in diffusers")
 
 
 def test_prepared_rope_table_gives_the_same_bits(engines):
