@@ -87,3 +87,25 @@ def test_importing_flowlock_and_the_adapter_imports_no_engine():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'vllm_omni', 'cache_dit')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_block_called_on_its_own_runs_strict_with_the_root_forwards_bits(engines):
+    _, native = engines
+    request = make_request(seed=4)
+    seen = {}
+
+    def record(module, args, kwargs, output):
+        seen.update(args=args, kwargs=kwargs, output=output)
+
+    hook = native.blocks[1].register_forward_hook(record, with_kwargs=True)
+    try:
+        _run(native, native_kwargs([request]))
+    finally:
+        hook.remove()
+    # vLLM-Omni's own prepared table in place of the root's FP32 cos / sin: the same bits
+    table = native.prepare_rope_table(native_kwargs([request])["img_position_ids"], seq_len=request.branch.seq_len)
+    kwargs = {**seen["kwargs"], "rope_table": table}
+    with flowlock.mode("strict") as frame, torch.no_grad():
+        alone = native.blocks[1](*seen["args"], **kwargs)
+    assert {"adaln_table", "attention", "gate_residual"} <= {op for op, _ in frame.ran}
+    assert_bitwise_equal(alone, seen["output"], "blocks.1 called on its own")

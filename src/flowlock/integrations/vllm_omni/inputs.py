@@ -137,8 +137,9 @@ def parse_inputs(kwargs: dict, video_width: int, audio_width: int) -> NativeInpu
     if timesteps.shape[0] < 1:
         raise ValueError("unique_timesteps must hold at least one value")
     check_finite_range("unique_timesteps", timesteps, 0.0, 1.0)
-    inverse = check_index("inverse_indices", kwargs["inverse_indices"].reshape(-1), length=seq_len,
-                          upper=timesteps.shape[0], device=device)
+    inverse = check_tensor("inverse_indices", kwargs["inverse_indices"], dtypes=INDEX_DTYPES, device=device)
+    inverse = check_index("inverse_indices", inverse.reshape(-1), length=seq_len, upper=timesteps.shape[0],
+                          device=device)
     tags = check_tensor("token_tags", kwargs["token_tags"], dtypes=INDEX_DTYPES, device=device).reshape(-1)
     if tags.shape[0] != seq_len:
         raise ValueError(f"token_tags must have {seq_len} entries, got {tags.shape[0]}")
