@@ -8,8 +8,11 @@ import pytest
 import torch
 from engine_inputs import make_request, native_kwargs
 from torch import nn
+from vllm.config import LoRAConfig, set_current_vllm_config
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm_omni.diffusion.hooks.base import HookRegistry, ModelHook
+from vllm_omni.diffusion.lora.layers import DiffusionQKVParallelLinearWithLoRA
+from vllm_omni_env import vllm_config
 
 import flowlock
 from flowlock.integrations.vllm_omni import install
@@ -27,6 +30,14 @@ class _SageBackend:
     @staticmethod
     def get_name():
         return "SAGE_ATTN"
+
+
+def _lora(model):
+    attn = model.blocks[0].attn
+    with set_current_vllm_config(vllm_config()):
+        wrapper = DiffusionQKVParallelLinearWithLoRA(attn.qkv_proj)
+        wrapper.create_lora_weights(1, LoRAConfig(max_lora_rank=8, max_loras=1, lora_dtype=torch.bfloat16))
+    attn.qkv_proj = wrapper
 
 
 def _quantized(model):
@@ -60,6 +71,7 @@ def _hook(model):
 
 DEFECTS = {
     "quantized": (_quantized, "blocks.0.attn.qkv_proj", "quantized"),
+    "lora": (_lora, "blocks.0.attn.qkv_proj", "DiffusionQKVParallelLinearWithLoRA: vLLM-Omni LoRA layers"),
     "biased": (_biased, "blocks.1.mlp.fc2", "a bias where H3 has none"),
     "backend": (_sage, "blocks.1.attn", "SAGE_ATTN"),
     "tp": (_tensor_parallel, "condition_proj", "tensor parallel size 2"),

@@ -47,6 +47,8 @@ DENSE_BACKENDS = frozenset({"FLASH_ATTN", "FLASH_ATTN_HUB", "FLASH_ATTN_3_HUB", 
 
 def linear_reason(module: nn.Module, biased: bool) -> str | None:
     """Why the strict path cannot compute this linear, or None."""
+    if hasattr(module, "base_layer") and hasattr(module, "lora_a_stacked"):
+        return f"{type(module).__name__}: vLLM-Omni LoRA layers are not on the strict path yet"
     if type(module) not in LINEAR_CLASSES:
         return f"{type(module).__name__} is not one of vLLM's parallel linears"
     if type(module.quant_method) is not UnquantizedLinearMethod:
