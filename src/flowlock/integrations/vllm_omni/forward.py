@@ -231,9 +231,9 @@ def model_forward(model: nn.Module, kwargs: dict, own_forward) -> tuple[torch.Te
         return own_forward()
     s = inputs.seq_len
     if inputs.rope_table is None:
-        inv_freq, positions = model.rope.inv_freq, inputs.position_ids
+        inv_freq, positions = model.rope.inv_freq, inputs.img_position_ids
         rope = RopeTables(*memoized_over([positions, inv_freq], "rope_cos_sin",
-                                         lambda: rope_cos_sin(inv_freq, positions)))
+                                         lambda: rope_cos_sin(inv_freq, positions[0])))
     else:
         rope = rope_from_table(inputs.rope_table)
 

@@ -73,7 +73,7 @@ def diffusers_requests(native_kwargs: dict) -> list[ReplayRequest]:
             audio_hidden_states=inputs.audio_x[0, inputs.audio_pos[audio]][None],
             encoder_hidden_states=inputs.prompt_embeds[text][None], timestep=timestep, timestep_indices=indices,
             token_tags=inputs.token_tags[start:start + used].clone(),
-            position_ids=inputs.position_ids[start:start + used].clone(),
+            position_ids=inputs.img_position_ids[0, start:start + used].clone(),
             video_indices=inputs.img_pos[video] - start, audio_indices=inputs.audio_pos[audio] - start,
             text_indices=inputs.text_pos[text] - start)
         mask = None if inputs.update_mask is None else inputs.update_mask[video]
