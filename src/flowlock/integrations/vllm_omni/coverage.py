@@ -10,7 +10,8 @@ VSA gates, quantized KV, ring / Ulysses sequence parallelism, Cache-DiT and any 
 (TeaCache, offload, SP), whose effect on the arithmetic the strict path cannot vouch for.
 
 Strict mode raises :class:`flowlock.StrictModeError` at the first such module; audit mode records
-it and lets that module (for a model-level reason, the whole model) run its own forward.
+it and lets that module run its own forward (for a model-level reason, the whole forward runs
+vLLM-Omni's path, submodules included).
 """
 
 from __future__ import annotations
