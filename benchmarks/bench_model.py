@@ -339,7 +339,8 @@ def _extra(parser) -> None:
                         help=f"S values whose steps are profiled (default {BREAKDOWN_SEQ})")
     parser.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True,
                         help="compile_repeated_blocks(fullgraph=...) (default on)")
-    parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--compile-backend", default=None,
+                        help="torch.compile backend (default inductor; eager with --smoke, which checks the plumbing)")
     parser.add_argument("--recompile-limit", type=int, default=RECOMPILE_LIMIT,
                         help=f"torch._dynamo.config.recompile_limit (default {RECOMPILE_LIMIT})")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="join these result JSONs into --out")
@@ -362,27 +363,31 @@ def main(argv=None) -> int:
         config = full_width_config(num_layers=args.layers or FULL_LAYERS, num_refiner_layers=REFINER_LAYERS)
         seqs, text_rows, profiled = tuple(args.seq or FULL_SEQ), TEXT_ROWS, BREAKDOWN_SEQ
     profiled = set(profiled if args.breakdown_seq is None else args.breakdown_seq)
+    t0 = time.perf_counter()
     model = build_model(config, device)
     handle = flowlock.patch(model, mode="strict")
     compiling = any(VARIANTS[v][1] for v in args.variants)
+    backend = args.compile_backend or ("eager" if args.smoke else "inductor")
     compiled = {}
     if compiling:
         torch._dynamo.config.recompile_limit = args.recompile_limit
-        compiled = compile_blocks(model, args.fullgraph, args.compile_backend)
+        compiled = compile_blocks(model, args.fullgraph, backend)
     paths = Paths(model, handle, compiled)
     bench = ModelBench(model, paths, config, text_rows, args, device)
+    build_s = time.perf_counter() - t0
     payload = {"benchmark": "model", "smoke": args.smoke, "complete": False, "config": config,
                "parameters": sum(p.numel() for p in model.parameters()),
-               "parameter_tensors": len(list(model.parameters())), "gate": gate,
+               "parameter_tensors": len(list(model.parameters())), "build_s": build_s, "gate": gate,
                "environment": {**harness.environment(device),
                                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
                "settings": {"seq": list(seqs), "measures": args.measures, "variants": args.variants,
                             "rounds": args.iters, "warmup_rounds": args.warmup, "breakdown_seq": sorted(profiled),
                             "gradient_checkpointing": True, "batch": 1,
                             "compile": {"api": "compile_repeated_blocks", "fullgraph": args.fullgraph,
-                                        "backend": args.compile_backend, "recompile_limit": args.recompile_limit}},
+                                        "backend": backend, "recompile_limit": args.recompile_limit}},
                "method": "one model instance; strict = flowlock.patch, stock = the patch detached; compiled = "
-                         "compile_repeated_blocks, dynamo reset per S; same process, one first call per variant, "
+                         "compile_repeated_blocks, dynamo reset per S; step = forward + backward, no optimizer; "
+                         "same process, one first call per variant, "
                          "then warm-up and timed rounds of one call per variant, first variant rotating; CUDA "
                          "events; median/min/max; zero_grad(set_to_none) untimed",
                "rows": []}
