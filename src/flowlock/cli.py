@@ -4,7 +4,8 @@
                     per stage) and the RL rollout/replay consistency run side by side.
 ``flowlock check``  the validation suites; exit status 1 on any failure.
 ``flowlock trace``  first divergence between a sample alone and inside a batch, strict and provider.
-``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate).
+``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate);
+                    flags after the names go to the scripts.
 
 Nothing is imported or computed at import time beyond argument parsing; ``main(argv)`` returns the
 exit status.
@@ -18,7 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("conditioning", "block", "linear", "attention")
+BENCHMARKS = ("conditioning", "block", "linear", "attention", "model")
+# Run only when named: the full-depth model needs a whole H200 and several device calls.
+NAMED_ONLY = ("model",)
 
 
 def _device(name: str):
@@ -299,7 +302,8 @@ def _repo_root() -> Path:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     root = _repo_root()
-    names = args.names or [n for n in BENCHMARKS if (root / "benchmarks" / f"bench_{n}.py").exists()]
+    names = args.names or [n for n in BENCHMARKS
+                           if n not in NAMED_ONLY and (root / "benchmarks" / f"bench_{n}.py").exists()]
     failed = []
     for name in names:
         script = root / "benchmarks" / f"bench_{name}.py"
@@ -308,7 +312,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             failed.append(name)
             continue
         out = Path(args.out_dir) / f"{name}.json" if args.out_dir else root / "benchmarks" / "results" / f"{name}.json"
-        cmd = [sys.executable, str(script), "--out", str(out)] + ["--skip-gate"] * args.skip_gate
+        cmd = [sys.executable, str(script), "--out", str(out)] + ["--skip-gate"] * args.skip_gate + args.script_args
         if args.smoke:
             usage = subprocess.run([sys.executable, str(script), "--help"], cwd=root, capture_output=True, text=True)
             if "--smoke" not in usage.stdout:
@@ -349,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     bench = sub.add_parser("bench", help="run benchmark scripts (each gated by its CPU tests)")
     bench.add_argument("names", nargs="*", metavar="NAME",
-                       help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)})")
+                       help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)} but "
+                            f"{', '.join(NAMED_ONLY)}); flags after the names go to the scripts "
+                            "(e.g. bench model --seq 925 --measures step)")
     bench.add_argument("--out-dir", default=None)
     bench.add_argument("--skip-gate", action="store_true")
     bench.add_argument("--smoke", action="store_true")
@@ -358,5 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, script_args = parser.parse_known_args(argv)
+    if script_args and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(script_args)}")
+    args.script_args = script_args
     return args.func(args)
