@@ -56,12 +56,12 @@ def _norm(entries: list[Entry], diffusers: str, native: str, width: int) -> None
 def _block(entries: list[Entry], g: H3Geometry, diffusers: str, native: str, adaln: bool) -> None:
     h, inner = g.hidden_size, g.inner_dim
     _norm(entries, f"{diffusers}norm1", f"{native}norm1", h)
+    _norm(entries, f"{diffusers}norm2", f"{native}norm2", h)
     qkv = tuple(f"{diffusers}attn.to_{p}.weight" for p in "qkv")
     entries.append(Entry("qkv", f"{native}attn.qkv_proj.weight", (3 * inner, h), qkv, ((inner, h),) * 3, False))
     _norm(entries, f"{diffusers}attn.norm_q", f"{native}attn.q_norm", g.attention_head_dim)
     _norm(entries, f"{diffusers}attn.norm_k", f"{native}attn.k_norm", g.attention_head_dim)
     _linear(entries, f"{diffusers}attn.to_out.0", f"{native}attn.out_proj", h, inner, False)
-    _norm(entries, f"{diffusers}norm2", f"{native}norm2", h)
     _linear(entries, f"{diffusers}ff.net.0.proj", f"{native}mlp.fc1", 2 * g.ffn_dim, h, False, "fc1")
     _linear(entries, f"{diffusers}ff.net.2", f"{native}mlp.fc2", h, g.ffn_dim, False)
     if adaln:
