@@ -18,6 +18,13 @@ def full_names_model():
 
 @pytest.fixture
 def unpoisoned(monkeypatch):
-    """Undo the session's NaN-poisoned ``torch.empty`` (its wrapper makes a ``torch.device("meta")`` build
-    allocate on the CPU): for building full-size models on the meta device, which have no memory to poison."""
+    """The real ``torch.empty`` for a ``torch.device("meta")`` build of a full-size model (meta tensors
+    have no memory to poison). The device context recognises constructors through a cached set of
+    torch functions; filled while ``torch.empty`` was the poisoning wrapper (any earlier ``with
+    torch.device(...)``), it would not see the real one and allocate on the CPU, so it is refilled."""
+    from torch.utils._device import _device_constructors
+
     monkeypatch.undo()
+    _device_constructors.cache_clear()
+    yield
+    _device_constructors.cache_clear()
