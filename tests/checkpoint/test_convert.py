@@ -1,7 +1,9 @@
 """``flowlock convert`` end to end: diffusers directory -> native -> diffusers, bitwise, with index,
 config and manifest; ``--verify`` and :func:`verify_directory` catch a changed directory."""
 
+import io
 import json
+import sys
 
 import pytest
 import torch
@@ -110,3 +112,15 @@ def test_verify_without_a_manifest(tiny_model, tmp_path):
     src = save_diffusers(tiny_model, tmp_path / "src")
     with pytest.raises(CheckpointError, match="has no flowlock_manifest.json"):
         verify_directory(src)
+
+
+def test_progress_bar_on_a_terminal(tiny_model, tmp_path, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    src = save_diffusers(tiny_model, tmp_path / "src")
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["convert", str(src), str(tmp_path / "native"), "--to", "native"]) == 0
+    assert "flowlock convert: 100%" in terminal.getvalue() and "47/47" in terminal.getvalue()

@@ -174,3 +174,22 @@ def test_bad_layout_argument_is_refused_by_the_parser(tiny_model, tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["convert", str(src), str(tmp_path / "dst"), "--to", "native", "--qkv-layout", "grouped"])
     assert info.value.code == 2 and not (tmp_path / "dst").exists()
+
+
+def test_truncated_shard(capsys, tiny_model, tmp_path):
+    src = save_diffusers(tiny_model, tmp_path / "src", "150KB")
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-4])
+    err = refuses(capsys, src, tmp_path / "dst", "--to", "native")
+    assert f"{shard.name}: tensor byte ranges do not match" in err and "(truncated?)" in err
+
+
+def test_src_is_not_a_directory(capsys, tmp_path):
+    assert "is not a directory" in refuses(capsys, tmp_path / "nowhere", tmp_path / "dst", "--to", "native")
+
+
+def test_dst_parent_missing(capsys, tiny_model, tmp_path):
+    src = save_diffusers(tiny_model, tmp_path / "src")
+    assert main(["convert", str(src), str(tmp_path / "no" / "dst"), "--to", "native"]) == 1
+    assert "(the parent of DST) is not a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

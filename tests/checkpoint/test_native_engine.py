@@ -1,13 +1,14 @@
 """The mapper against the real vLLM-Omni 0.30.0 ``MiniMaxH3DiTModel`` (CPU, through tests/vllm_omni_env)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 import vllm_omni_env
-from h3_checkpoints import config_of, state_dict_of
+from h3_checkpoints import config_of, save_diffusers, state_dict_of
 
-from flowlock.checkpoint import H3Geometry, diffusers_to_native, name_table
+from flowlock.checkpoint import H3Geometry, convert_directory, diffusers_to_native, name_table
 from flowlock.checkpoint.geometry import native_config
 from flowlock.models.minimax_h3.tiny import full_width_config
 from flowlock.testing import assert_bitwise_equal
@@ -60,3 +61,22 @@ def test_interleaved_is_what_load_weights_reads_under_native_names(tiny_model):
     assert loaded == set(reference)
     for name, tensor in reference.items():
         assert_bitwise_equal(target.state_dict()[name], tensor, name)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "interleaved"])
+def test_a_converted_native_directory_is_what_the_engine_builds(tiny_model, tmp_path, layout):
+    from safetensors.torch import load_file
+
+    sd, config = state_dict_of(tiny_model), config_of(tiny_model)
+    reference = vllm_omni_env.build_native(config, sd).state_dict()
+    save_diffusers(tiny_model, tmp_path / "src", "150KB")
+    convert_directory(tmp_path / "src", tmp_path / "native", to="native", qkv_layout=layout)
+    native = tmp_path / "native"
+    model = build_from_config(json.loads((native / "config.json").read_text()))
+    weights = {k: v for shard in sorted(native.glob("*.safetensors")) for k, v in load_file(str(shard)).items()}
+    if layout == "stacked":  # the in-memory layout: a plain strict load
+        model.load_state_dict(weights, strict=True)
+    else:  # the official on-disk layout: vLLM-Omni's native-name loader
+        assert model.load_weights(weights.items()) == set(reference)
+    for name, tensor in reference.items():
+        assert_bitwise_equal(model.state_dict()[name], tensor, name)

@@ -48,20 +48,32 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def read_header(path: Path) -> dict[str, Header]:
-    """Name -> shape and dtype from a safetensors file's header, without reading any tensor."""
+    """Name -> shape and dtype from a safetensors file's header, without reading any tensor.
+
+    The byte ranges are checked too (each tensor's range holds exactly its shape's bytes and the
+    ranges end where the file does), so a truncated or padded shard is refused before conversion.
+    """
     try:
         with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if size > _MAX_HEADER:
                 raise CheckpointError(f"{path.name}: safetensors header of {size} bytes is not plausible")
             raw = json.loads(f.read(size), object_pairs_hook=_unique_keys(path))
-    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raw.pop("__metadata__", None)
+        unknown = sorted({info["dtype"] for info in raw.values()} - set(_DTYPES))
+        if unknown:
+            raise CheckpointError(f"{path.name} holds dtypes flowlock does not read: {', '.join(unknown)}")
+        headers = {name: Header(tuple(info["shape"]), _DTYPES[info["dtype"]]) for name, info in raw.items()}
+        spans = {name: tuple(info["data_offsets"]) for name, info in raw.items()}
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path.name} is not a readable safetensors file: {err}") from err
-    raw.pop("__metadata__", None)
-    unknown = sorted({info["dtype"] for info in raw.values()} - set(_DTYPES))
-    if unknown:
-        raise CheckpointError(f"{path.name} holds dtypes flowlock does not read: {', '.join(unknown)}")
-    return {name: Header(tuple(info["shape"]), _DTYPES[info["dtype"]]) for name, info in raw.items()}
+    data = path.stat().st_size - 8 - size
+    wrong = [f"{name}: bytes {start}..{end} for {list(headers[name].shape)} {headers[name].dtype}"
+             for name, (start, end) in spans.items() if end - start != header_bytes(headers[name])]
+    if wrong or max((end for _, end in spans.values()), default=0) != data:
+        raise CheckpointError(f"{path.name}: tensor byte ranges do not match the header or the file's "
+                              f"{data} data bytes (truncated?)", wrong)
+    return headers
 
 
 class SafetensorsDirectory:
@@ -129,9 +141,12 @@ class SafetensorsDirectory:
         from safetensors import safe_open
 
         file = self.file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
-        return self._handles[file].get_tensor(name)
+        try:
+            if file not in self._handles:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+            return self._handles[file].get_tensor(name)
+        except Exception as err:  # safetensors raises its own error types; the reason is what matters here
+            raise CheckpointError(f"cannot read {name} from {file}: {err}") from err
 
     def close(self) -> None:
         self._handles.clear()
