@@ -121,3 +121,9 @@ def test_config_spellings_that_disagree(config):
 
 def test_native_adaln_width_that_disagrees(config):
     assert "adaln_out_features = 5" in str(refused(H3Geometry.from_config, {**config, "adaln_out_features": 5}))
+
+
+def test_config_sizes_that_are_not_sizes(config):
+    err = refused(H3Geometry.from_config, {**config, "hidden_size": 64.5, "num_attention_heads": 0,
+                                           "patch_size": [1, 2], "rope_theta": "big"})
+    assert len(err.problems) == 4 and "hidden_size = 64.5 is not a positive integer" in str(err)

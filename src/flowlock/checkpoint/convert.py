@@ -50,6 +50,7 @@ WriteShard = Callable[[dict[str, torch.Tensor], Path], None]
 
 
 def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write one output shard (the default :data:`WriteShard`); tensors must be contiguous and unshared."""
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata={"format": "pt"})
@@ -57,6 +58,8 @@ def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 @dataclass(frozen=True)
 class ConversionReport:
+    """What :func:`convert_directory` published: ``tensors`` in ``shards`` files, ``bytes`` of tensor data."""
+
     dst: Path
     to: Target
     qkv_layout: str
@@ -141,14 +144,13 @@ def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], 
         total = 0
         for i, entries in enumerate(shards):
             name = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            tensors: dict[str, torch.Tensor] = {}
+            tensors: dict[str, torch.Tensor] = {}  # rebinding releases the previous shard before any read
             for entry in entries:
                 tensors.update(convert_entry(plan, entry, source.load))
                 bar.update(len(plan.targets(entry)))
             write_shard(tensors, tmp / name)
             weight_map.update(dict.fromkeys(tensors, name))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
-            tensors = {}  # release this shard before reading the next
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -83,17 +83,22 @@ class H3Geometry:
             problems.append(f"missing keys: {', '.join(missing)}")
         if problems:
             raise CheckpointError("config does not describe an H3 transformer", problems)
+        sizes = {name: values[name] for name in wanted if name != "patch_size"}
+        patch = values["patch_size"]
+        patch = list(patch) if isinstance(patch, (list, tuple)) else [patch]
+        problems += _size_problems([*sizes.items(), *(("patch_size", p) for p in patch)])
         try:
-            geometry = cls(**{name: int(values[name]) for name in wanted if name != "patch_size"},
-                           patch_size=tuple(int(p) for p in values["patch_size"]),
-                           rope_theta=float(values.get("rope_theta", DEFAULT_ROPE_THETA)))
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"config holds a non-numeric size: {err}") from err
-        if len(geometry.patch_size) != 3:
-            problems.append(f"patch_size must have 3 entries, got {geometry.patch_size}")
+            rope_theta = float(values.get("rope_theta", DEFAULT_ROPE_THETA))
+        except (TypeError, ValueError):
+            problems.append(f"rope_theta = {values['rope_theta']!r} is not a number")
+        if len(patch) != 3:
+            problems.append(f"patch_size must have 3 entries, got {values['patch_size']!r}")
+        if problems:
+            raise CheckpointError("config does not describe an H3 transformer", problems)
+        geometry = cls(**sizes, patch_size=tuple(patch), rope_theta=rope_theta)
         for key, expected in (("adaln_out_features", 18 * geometry.hidden_size),
                               ("final_adaln_out_features", 2 * geometry.hidden_size)):
-            if key in config and int(config[key]) != expected:
+            if key in config and config[key] != expected:
                 problems.append(f"{key} = {config[key]} but 18/2 x hidden_size gives {expected}")
         if problems:
             raise CheckpointError("config does not describe an H3 transformer", problems)
@@ -106,6 +111,15 @@ class H3Geometry:
             value = getattr(self, f.name)
             config[f.name] = list(value) if f.name == "patch_size" else value
         return config
+
+
+def _size_problems(sizes: list[tuple[str, Any]]) -> list[str]:
+    problems = []
+    for name, value in sizes:
+        layers = name in ("num_layers", "num_refiner_layers")  # a model may have none; widths may not be 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if layers else 1):
+            problems.append(f"{name} = {value!r} is not a {'non-negative' if layers else 'positive'} integer")
+    return problems
 
 
 def native_config(diffusers_config: Mapping[str, Any], qkv_layout: str) -> dict[str, Any]:
