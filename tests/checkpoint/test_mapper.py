@@ -88,3 +88,13 @@ def test_the_two_layouts_differ_but_have_one_shape():
     stacked, interleaved = (fuse_qkv(q, k, v, lay, head_dim=2) for lay in ("stacked", "interleaved"))
     assert stacked.shape == interleaved.shape and not torch.equal(stacked, interleaved)
     assert interleaved[:, 0].tolist() == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+
+
+def test_importing_the_package_imports_no_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, flowlock.checkpoint; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'diffusers', 'vllm', 'vllm_omni', 'safetensors'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
