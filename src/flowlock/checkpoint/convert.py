@@ -5,10 +5,11 @@ Guarantees of :func:`convert_directory`:
 * fail closed before writing: the source's config, index and shard headers are checked in full
   (names, shapes, dtypes, q/k/v groups, duplicates, the q/k/v layout, a native ``rope.inv_freq``)
   and every defect is raised as one :class:`CheckpointError`;
-* bounded memory: output shard ``i`` holds the entries whose first source tensor lies in input
-  shard ``i`` (a q/k/v group split across two shards is read whole, its missing parts fetched from
-  the other shard); tensors are read one at a time and a shard's tensors are released once it is
-  written, so at most one output shard plus the q/k/v group being fused or split is alive;
+* bounded memory: entries are taken in the order of the input shard holding their first source
+  (a q/k/v group split across shards is read whole, its other parts fetched from their shards)
+  and packed into output shards no larger than the largest input shard; tensors are read one at a
+  time and a shard's tensors are released once it is written, so at most one shard plus the q/k/v
+  group being fused or split is alive, whatever order the source stores its tensors in;
 * atomic: everything is written into a hidden temporary directory next to DST and renamed onto
   DST at the very end; any failure (an exception, Ctrl-C) removes it, and a killed process leaves
   at most that ``.DST.*.partial`` directory, never DST;
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from flowlock.checkpoint.directory import CONFIG, SafetensorsDirectory
+from flowlock.checkpoint.directory import CONFIG, SafetensorsDirectory, header_bytes
 from flowlock.checkpoint.errors import CheckpointError
 from flowlock.checkpoint.geometry import H3Geometry, diffusers_config, native_config, recorded_qkv_layout
 from flowlock.checkpoint.layout import check_qkv_layout
@@ -86,11 +87,20 @@ def resolve_qkv_layout(to: Target, given: str | None, source_config: dict) -> st
 
 
 def _shard_plan(plan: Plan, source: SafetensorsDirectory) -> list[list[Entry]]:
-    """Entries per output shard: with the input shard of their first source; shards with no output dropped."""
+    """Entries per output shard: taken in the order of the input shard holding their first source, packed
+    greedily up to the largest input shard's bytes (a shard with no output is dropped)."""
     position = {name: i for i, name in enumerate(source.files)}
-    shards: list[list[Entry]] = [[] for _ in source.files]
-    for entry in plan.entries:
-        shards[min((position[source.file_of[n]] for n in plan.sources(entry)), default=0)].append(entry)
+    limit = max(source.shard_bytes(f) for f in source.files)
+    lead = {e.native: min((position[source.file_of[n]] for n in plan.sources(e)), default=0) for e in plan.entries}
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for entry in sorted(plan.entries, key=lambda e: lead[e.native]):
+        nbytes = sum(header_bytes(source.headers[n]) for n in plan.sources(entry))  # = its outputs' bytes
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
     return [entries for entries in shards if any(plan.targets(e) for e in entries)]
 
 
