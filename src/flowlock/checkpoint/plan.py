@@ -82,22 +82,27 @@ def plan_conversion(headers: Mapping[str, Header], geometry: H3Geometry, to: Tar
     if to not in ("native", "diffusers"):
         raise CheckpointError(f"conversion target must be 'native' or 'diffusers'; got {to!r}")
     check_qkv_layout(qkv_layout)
-    entries = name_table(geometry)
-    plan = Plan(to, geometry, qkv_layout, entries)
-    expected = _source_side(entries, to)
+    plan = Plan(to, geometry, qkv_layout, name_table(geometry))
+    expected = _source_side(plan.entries, to)
+    problems = _name_problems(plan, headers, expected) + _header_problems(headers, expected)
+    if problems:
+        raise CheckpointError(f"cannot convert this checkpoint to {to} names", problems)
+    return plan
+
+
+def _name_problems(plan: Plan, headers: Mapping[str, Header], expected: Mapping[str, object]) -> list[str]:
     problems = []
     unknown = set(headers) - set(expected)
     if unknown:
         problems.append(f"unknown tensors {_names(unknown)}")
-        other = unknown & set(_source_side(entries, "diffusers" if to == "native" else "native"))
+        other = unknown & set(_source_side(plan.entries, "diffusers" if plan.to == "native" else "native"))
         if other:
-            side = "native" if to == "native" else "diffusers"
-            problems.append(f"{len(other)} of them are {side} names: the source already is in the {side} layout")
+            problems.append(f"{len(other)} of them are {plan.to} names: the source already is in the {plan.to} layout")
     missing, incomplete, mixed = [], [], []
-    for entry in entries:
+    for entry in plan.entries:
         names = plan.sources(entry)
         present = [n for n in names if n in headers]
-        if entry.kind == "qkv" and to == "native" and 0 < len(present) < 3:
+        if entry.kind == "qkv" and plan.to == "native" and 0 < len(present) < 3:
             absent = [n.rsplit(".", 2)[-2] for n in names if n not in headers]
             incomplete.append(f"{entry.native} (has {', '.join(present)}; lacks {', '.join(absent)})")
         else:
@@ -108,6 +113,11 @@ def plan_conversion(headers: Mapping[str, Header], geometry: H3Geometry, to: Tar
         problems.append(f"missing tensors {_names(missing)}")
     problems.extend(f"incomplete q/k/v group {g}" for g in incomplete)
     problems.extend(f"q/k/v dtypes differ in {g}" for g in mixed)
+    return problems
+
+
+def _header_problems(headers: Mapping[str, Header], expected: Mapping[str, tuple[tuple[int, ...], bool]]) -> list[str]:
+    problems = []
     for name in sorted(set(headers) & set(expected)):
         shape, fp32 = expected[name]
         header = headers[name]
@@ -117,9 +127,7 @@ def plan_conversion(headers: Mapping[str, Header], geometry: H3Geometry, to: Tar
             problems.append(f"{name}: {header.dtype}, but it is in the FP32 set and must be stored as torch.float32")
         elif not header.dtype.is_floating_point:
             problems.append(f"{name}: {header.dtype} is not a floating-point dtype")
-    if problems:
-        raise CheckpointError(f"cannot convert this checkpoint to {to} names", problems)
-    return plan
+    return problems
 
 
 def convert_entry(plan: Plan, entry: Entry, load: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
