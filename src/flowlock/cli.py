@@ -1,4 +1,4 @@
-"""``flowlock`` command line: demo, check, trace, bench.
+"""``flowlock`` command line: demo, check, trace, bench, convert.
 
 ``flowlock demo``   the conditioning-chain table (strict and provider: invariance, repeatability
                     per stage) and the RL rollout/replay consistency run side by side.
@@ -6,6 +6,8 @@
 ``flowlock trace``  first divergence between a sample alone and inside a batch, strict and provider.
 ``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate);
                     flags after the names go to the scripts.
+``flowlock convert`` a diffusers H3 checkpoint directory to vLLM-Omni native names or back
+                    (:mod:`flowlock.checkpoint`); exit status 1 with the reason on refused input.
 
 Nothing is imported or computed at import time beyond argument parsing; ``main(argv)`` returns the
 exit status.
@@ -330,6 +332,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from flowlock.checkpoint import CheckpointError, convert_directory
+
+    try:
+        report = convert_directory(args.src, args.dst, to=args.to, qkv_layout=args.qkv_layout, verify=args.verify,
+                                   progress=True)
+    except (CheckpointError, OSError) as err:
+        print(f"flowlock convert: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {report.dst}: {report.tensors} {report.to} tensors in {report.shards} shards "
+          f"({report.bytes} bytes), native q/k/v layout {report.qkv_layout}"
+          + ("; verified against its manifest" if report.verified else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowlock", description="exactly on-policy RL for flow-matching DiTs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -360,6 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip-gate", action="store_true")
     bench.add_argument("--smoke", action="store_true")
     bench.set_defaults(func=cmd_bench)
+    convert = sub.add_parser("convert", help="diffusers <-> vLLM-Omni native H3 checkpoint directory")
+    convert.add_argument("src", metavar="SRC")
+    convert.add_argument("dst", metavar="DST", help="a new directory (never overwritten)")
+    convert.add_argument("--to", choices=("native", "diffusers"), required=True)
+    convert.add_argument("--qkv-layout", choices=("stacked", "interleaved"), default=None,
+                         help="native fused q/k/v rows: written with --to native (default interleaved, the official "
+                              "shards' layout); read with --to diffusers, needed when SRC does not record it")
+    convert.add_argument("--verify", action="store_true", help="re-read DST and check it against its manifest")
+    convert.set_defaults(func=cmd_convert)
     return parser
 
 
