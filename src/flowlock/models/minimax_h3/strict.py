@@ -214,7 +214,9 @@ class Run:
             self._check(module, _linear_reason(module))
 
     def runs_own(self, module: nn.Module) -> bool:
-        return id(module) in self.fallback
+        # An empty set (always so in strict mode) answers without id(module): torch.compile guards on
+        # the id of what it hashes, which would compile each block instance as a graph of its own.
+        return bool(self.fallback) and id(module) in self.fallback
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runs_own(module):
@@ -348,7 +350,8 @@ def _time_embedding(run: Run, model: nn.Module, timestep: torch.Tensor) -> torch
         fallback_or_raise("minimax_h3 time_proj", "timestep_sinusoid serves Timesteps(256, True, 0) only")
         sinusoid = model.time_proj(timestep)
     else:
-        sinusoid = timestep_sinusoid(timestep)
+        # validate_structure checked the range already (in the graph, when compiling).
+        sinusoid = timestep_sinusoid(timestep, check_range=False)
     return call_with_run(run, model.time_embedder, sinusoid)
 
 
@@ -382,9 +385,14 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
         audio_indices=audio_indices, text_indices=text_indices)
     run = Run.for_model(model)
 
-    # Seven small launches per forward otherwise; a layout's positions are reused every step.
     inv_freq = model.rope.inv_freq
-    cos, sin = memoized_over([position_ids, inv_freq], "rope_cos_sin", lambda: rope_cos_sin(inv_freq, position_ids))
+    if torch.compiler.is_compiling():
+        # The memo compares storage pointers, which a graph cannot; compiled, the tables are graph nodes.
+        cos, sin = rope_cos_sin(inv_freq, position_ids)
+    else:
+        # Seven small launches per forward otherwise; a layout's positions are reused every step.
+        cos, sin = memoized_over([position_ids, inv_freq], "rope_cos_sin",
+                                 lambda: rope_cos_sin(inv_freq, position_ids))
 
     video = call_with_run(run, model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
     audio = call_with_run(run, model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
