@@ -30,7 +30,7 @@ from flowlock.models.minimax_h3.strict import (
     time_embedder_forward,
 )
 from flowlock.modes import current_mode, fallback_or_raise, mode
-from flowlock.patching import patch  # re-exported: the H3 entry point is flowlock.patch itself
+from flowlock.patching import REPLACEMENT_MARK, patch  # patch re-exported: the H3 entry point is flowlock.patch itself
 
 __all__ = ["make_patched_forward", "patch"]
 
@@ -65,6 +65,7 @@ def make_patched_forward(module, original, handle, strict_call):
         return out
 
     setattr(forward, STRICT_MARK, True)
+    setattr(forward, REPLACEMENT_MARK, True)
     return types.MethodType(forward, module)
 
 

@@ -131,7 +131,7 @@ class Run:
             run._check_block(block)
         for module in (model.proj_in, model.audio_proj_in, model.context_embedder, model.proj_out,
                        model.audio_proj_out):
-            run._check(module, _linear_reason(module, called=True))
+            run._check(module, _linear_reason(module, called=_is_strict(module)))
         # The rope tables are computed from its inv_freq buffer without calling it.
         run._check(model.rope, leaf_hook_reason(model.rope))
         run._check_norm_out(model.norm_out)
@@ -295,11 +295,21 @@ def active_run() -> Run | None:
     return getattr(_ACTIVE, "run", None)
 
 
+def _is_strict(module: nn.Module) -> bool:
+    return getattr(module.forward, STRICT_MARK, False)
+
+
+def _call_linear(run: Run, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # diffusers' load_lora_adapter / add_adapter after patching put a peft layer into the slot (the
+    # patched Linear is its base layer): it has no strict forward, so the strict path reads it instead.
+    return call_with_run(run, module, x) if _is_strict(module) else run.linear(module, x)
+
+
 def call_with_run(run: Run, module: nn.Module, *args):
     """Call the patched ``module`` through ``__call__``, so its hooks run (FSDP2 unshards a unit's
     parameters there: blocks, and the FP32 modules that must be units of their own because FSDP2
     wants one dtype per unit), with ``run`` as the active decisions."""
-    if not getattr(module.forward, STRICT_MARK, False):
+    if not _is_strict(module):
         raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: call the strict forward through "
                            "flowlock.patch(model), which routes the blocks and other submodules too")
     previous = active_run()
@@ -410,9 +420,9 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
         cos, sin = memoized_over([position_ids, inv_freq], "rope_cos_sin",
                                  lambda: rope_cos_sin(inv_freq, position_ids))
 
-    video = call_with_run(run, model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
-    audio = call_with_run(run, model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
-    text = call_with_run(run, model.context_embedder,
+    video = _call_linear(run, model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
+    audio = _call_linear(run, model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
+    text = _call_linear(run, model.context_embedder,
                          encoder_hidden_states.to(get_parameter_dtype(model.context_embedder)))
     refiner = model.token_refiner
     for block in refiner.refiner_blocks:
@@ -432,8 +442,8 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     head_dtype = get_parameter_dtype(model.proj_out)
     video_rows = gather_rows(x, video_indices, check_indices=False).to(head_dtype)
     audio_rows = gather_rows(x, audio_indices, check_indices=False).to(head_dtype)
-    video_out = call_with_run(run, model.proj_out, video_rows)
-    audio_out = call_with_run(run, model.audio_proj_out, audio_rows)
+    video_out = _call_linear(run, model.proj_out, video_rows)
+    audio_out = _call_linear(run, model.audio_proj_out, audio_rows)
     if not return_dict:
         return (video_out, audio_out)
     return MiniMaxH3TransformerOutput(sample=video_out, audio_sample=audio_out)
