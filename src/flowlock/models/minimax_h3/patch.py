@@ -30,7 +30,7 @@ from flowlock.models.minimax_h3.strict import (
     time_embedder_forward,
 )
 from flowlock.modes import current_mode, fallback_or_raise, mode
-from flowlock.patching import patch  # re-exported: the H3 entry point is flowlock.patch itself
+from flowlock.patching import REPLACEMENT_MARK, patch  # patch: the H3 entry point is flowlock.patch itself
 
 __all__ = ["make_patched_forward", "patch"]
 
@@ -41,7 +41,8 @@ def make_patched_forward(module, original, handle, strict_call):
     ``strict_call(self, arguments, stock)`` computes the strict output from the bound arguments
     (a name -> value dict) or returns ``stock``'s. Bound rather than a closure over ``module`` so
     that ``copy.deepcopy`` of a patched model (RL frameworks copy the policy to make a reference
-    model) rebinds it to the copy, which then runs the strict path on its own weights.
+    model) rebinds it to the copy, which then runs the strict path on its own weights (in this
+    handle's mode; no handle owns the copy's patch, so it keeps it and ``flowlock.patch`` refuses it).
     ``original`` is the forward read when the plan was built; when it is the class's own forward it
     is looked up on the class at call time, for the same reason.
     """
@@ -65,6 +66,7 @@ def make_patched_forward(module, original, handle, strict_call):
         return out
 
     setattr(forward, STRICT_MARK, True)
+    setattr(forward, REPLACEMENT_MARK, True)
     return types.MethodType(forward, module)
 
 
