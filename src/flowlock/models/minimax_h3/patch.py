@@ -52,7 +52,8 @@ def make_patched_forward(module, original, handle, strict_call):
 
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
-        stock = instance_forward or type(self).forward.__get__(self)
+        # A partial, not type(self).forward.__get__(self): torch 2.11's dynamo cannot trace __get__.
+        stock = instance_forward or functools.partial(type(self).forward, self)
         if current_mode() == "provider":
             return stock(*args, **kwargs)
         arguments = dict(signature.bind(self, *args, **kwargs).arguments)
