@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from flowlock.parallel.collectives import GatherRows, HeadsToSequence, SequenceToHeads, ShardRows, collective
+from flowlock.parallel.collectives import (
+    GatherRows,
+    HeadsToSequence,
+    SequenceToHeads,
+    ShardRows,
+    collective,
+    own_rows,
+)
 from flowlock.parallel.shards import RowShards
 
 
@@ -67,12 +74,11 @@ class UlyssesSequence:
         self.group = group
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Replicated ``x`` -> this rank's rows along ``dim``. Differentiable: the backward all-gathers the
+        """Replicated ``x`` -> this rank's rows along ``dim``, contiguous. Differentiable: the backward all-gathers the
         gradient rows, so each rank's gradient of ``x`` is the full single-process gradient."""
         if x.requires_grad:
             return ShardRows.apply(x, dim, self.shards, self.group)
-        start, end = self.shards.bounds()
-        return x.narrow(dim, start, end - start)
+        return own_rows(x, dim, self.shards)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's rows -> all rows along ``dim`` on every rank. Differentiable: the backward keeps
