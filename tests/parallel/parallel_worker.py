@@ -255,6 +255,15 @@ def scenario_fsdp_ulysses(rank: int) -> None:
             what = f"FSDP2 dp 2 x Ulysses 2, S={layout.seq_len}, rank {rank}"
             check_layout_equals_one_process(ref, model, tiny_inputs(BATCH, seed=1, layout=layout),
                                             slice(dp, dp + 1), sharded, what)
+    across = cp_model(2, mesh=mesh)
+    fully_shard(across.transformer_blocks[0], mesh=init_device_mesh("cpu", (4,)))
+    with flowlock.patch(across):
+        try:
+            across(**tiny_inputs(BATCH, seed=1))
+            raise AssertionError("an FSDP2 mesh spanning the Ulysses peers was not refused")
+        except ValueError as err:
+            assert "spans Ulysses peers" in str(err), err
+    print(f"rank {rank}: an FSDP2 mesh spanning the Ulysses peers refused", flush=True)
 
 
 def _faulty(rank: int, fault) -> None:

@@ -32,3 +32,4 @@ def test_fsdp2_dp2_times_ulysses2_equals_one_process():
     for out in assert_all_ok(ranks):
         for seq in (24, 25):
             assert f"FSDP2 dp 2 x Ulysses 2, S={seq}," in out
+        assert "an FSDP2 mesh spanning the Ulysses peers refused" in out

@@ -66,6 +66,20 @@ def _check_patch_order(model: nn.Module, strict_mark: str) -> None:
                                "parallelism, then patch")
 
 
+def _check_fsdp_mesh(model: nn.Module, group) -> None:
+    # The row-sharded parameters' per-rank gradients are partial and the others whole, so an FSDP2
+    # mesh that also spans the Ulysses peers would average the two kinds alike: wrong gradients.
+    peers = set(torch.distributed.get_process_group_ranks(group)) - {torch.distributed.get_rank()}
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
+    for mesh in meshes.values():
+        shared = peers & set(mesh.mesh.flatten().tolist())
+        if shared:
+            raise ValueError(f"an FSDP2 mesh {tuple(mesh.mesh_dim_names or ())} spans Ulysses peers "
+                             f"{sorted(shared)} of rank {torch.distributed.get_rank()}: shard over the data-parallel "
+                             "mesh dimension only (gradients of row-sharded parameters are per-rank partials, "
+                             "reduced by flowlock.models.minimax_h3.context_parallel.reduce_gradients)")
+
+
 def sequence_plan(model: nn.Module, seq_len: int, batch: int, device: torch.device,
                   strict_mark: str) -> UlyssesSequence | None:
     """The Ulysses shards of one forward of ``model`` over ``seq_len`` rows, or None without context
@@ -76,6 +90,7 @@ def sequence_plan(model: nn.Module, seq_len: int, batch: int, device: torch.devi
     check_layout(model)
     _check_patch_order(model, strict_mark)
     group = cp._ulysses_mesh.get_group()
+    _check_fsdp_mesh(model, group)
     contract = (batch, model.config.num_attention_heads, model.config.hidden_size, len(model.transformer_blocks))
     return Ulysses(group).for_sequence(seq_len, contract, device=device)
 
