@@ -23,9 +23,9 @@ from torch.distributed.fsdp import fully_shard
 import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 import flowlock.models.minimax_h3.strict as h3_strict
-from flowlock.models.minimax_h3 import tiny_h3, tiny_inputs
+from flowlock.models.minimax_h3 import build_layout, tiny_h3, tiny_inputs
 from flowlock.parallel import CollectiveError
-from flowlock.testing import mismatch_count, poison_
+from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
 from flowlock.validate.layout_worker import (
     BATCH,
     LAYOUTS,
@@ -53,6 +53,8 @@ def scenario_ulysses(rank: int) -> None:
     def plants(ref, model, sharded):
         planted_row_count_gemm(ref, model, rank)
         planted_naive_all_reduce(model, sharded, rank)
+        if dist.get_world_size() == 2:
+            checkpointed_blocks(ref, rank)
 
     check_ulysses(rank, plants)
     n = dist.get_world_size()
@@ -136,13 +138,27 @@ def refusals_two_ranks(rank: int) -> None:
     except RuntimeError as err:
         assert "enable_parallelism ran after flowlock.patch" in str(err), err
     mismatch = cp_model(2)
+    # Same S = 24 on both ranks, different packings: only the layout fingerprint tells them apart.
+    layout = build_layout(5, 2, 2, 3, 7) if rank == 0 else build_layout(4, 2, 2, 3, 8)
     with flowlock.patch(mismatch):
         try:
-            mismatch(**tiny_inputs(BATCH, seed=1, layout=LAYOUTS[rank]))
+            mismatch(**tiny_inputs(BATCH, seed=1, layout=layout))
             raise AssertionError("ranks with different layouts were not refused")
         except ValueError as err:
             assert "disagree on the layout" in str(err), err
     print(f"rank {rank}: ring, patch order and a per-rank layout mismatch refused", flush=True)
+
+
+def checkpointed_blocks(ref, rank: int) -> None:
+    """diffusers' gradient checkpointing recomputes each block, its all-to-alls included, in backward."""
+    model = cp_model(2)
+    model.enable_gradient_checkpointing()
+    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    expected, _ = forward_backward(ref, inputs)
+    with flowlock.patch(model):
+        got, _ = forward_backward(model, inputs)
+    assert_bitwise_equal(got, expected, f"checkpointed Ulysses 2, rank {rank}")
+    print(f"rank {rank}: gradient-checkpointed blocks equal one process", flush=True)
 
 
 def scenario_fsdp_ulysses(rank: int) -> None:
