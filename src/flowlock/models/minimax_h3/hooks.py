@@ -28,6 +28,8 @@ from torch import nn
 LAYERWISE_CASTING = "layerwise_casting"
 PEFT_AUTOCAST_DISABLE = "peft_autocast_disable"
 _SERVED_ON_LEAVES = (LAYERWISE_CASTING, PEFT_AUTOCAST_DISABLE)
+# Name prefixes of the hooks diffusers' enable_parallelism registers from the model's _cp_plan.
+_CONTEXT_PARALLEL_HOOKS = ("cp_input---", "cp_output---")
 
 
 def _diffusers_hooks(module: nn.Module) -> dict:
@@ -44,14 +46,21 @@ def hook_names(module: nn.Module) -> list[str]:
     return names
 
 
+def _unserved_hooks(module: nn.Module) -> list[str]:
+    # diffusers' context-parallel split / gather hooks (enable_parallelism) are served everywhere:
+    # the strict forward makes the same cut itself (flowlock.models.minimax_h3.context_parallel).
+    return [name for name in hook_names(module) if not name.startswith(_CONTEXT_PARALLEL_HOOKS)]
+
+
 def target_hooks(module: nn.Module) -> list[str]:
-    """Hooks that wrap ``module.forward`` now; a module flowlock is about to patch must have none."""
-    return hook_names(module)
+    """Hooks that wrap ``module.forward`` now; a module flowlock is about to patch must have none
+    (diffusers' context-parallel split / gather hooks are not counted: the strict forward does their cut)."""
+    return _unserved_hooks(module)
 
 
 def leaf_hook_reason(module: nn.Module) -> str | None:
     """Why the strict path cannot read ``module``'s parameters without calling it, or None."""
-    refused = [name for name in hook_names(module) if name not in _SERVED_ON_LEAVES]
+    refused = [name for name in _unserved_hooks(module) if name not in _SERVED_ON_LEAVES]
     if not refused:
         return None
     return (f"hook {', '.join(refused)} prepares this module's weights in its forward, which the strict path "
