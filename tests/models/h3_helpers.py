@@ -9,7 +9,7 @@ LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
 
 def cotangents(out, seed: int = 5):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(t.shape, generator=gen).to(t.dtype) for t in (out.sample, out.audio_sample)]
+    return [torch.randn(t.shape, generator=gen).to(t.device, t.dtype) for t in (out.sample, out.audio_sample)]
 
 
 def forward_backward(model, inputs: dict, input_grad: bool = False):

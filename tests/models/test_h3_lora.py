@@ -17,12 +17,15 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.2", "proj_out"]
 
 def _lora_h3(adapter_dtype=torch.bfloat16, **config):
     model = tiny_h3()
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian", **config))
+    config.setdefault("init_lora_weights", "gaussian")  # every factor is redrawn below anyway
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, **config))
     gen = torch.Generator().manual_seed(11)
     for module in model.modules():
         if is_peft_lora(module):
             for factor in (module.lora_A["default"], module.lora_B["default"]):
-                factor.weight.data = (torch.randn(factor.weight.shape, generator=gen) * 0.1).to(adapter_dtype)
+                for p in (factor.weight, factor.bias):
+                    if p is not None:
+                        p.data = (torch.randn(p.shape, generator=gen) * 0.1).to(adapter_dtype)
     return model
 
 
@@ -76,3 +79,19 @@ def test_dora_is_not_served_in_strict():
     model, inputs = _lora_h3(use_dora=True), tiny_inputs(1)
     with flowlock.patch(model), pytest.raises(flowlock.StrictModeError, match="variant"):
         model(**inputs)
+
+
+def test_lora_bias_on_b_within_budget_of_the_fp64_golden():
+    # peft cannot merge a B bias into a base layer without bias, so the golden is the unmerged fp64 model.
+    model, inputs = _lora_h3(lora_bias=True, init_lora_weights=False), tiny_inputs(2, seed=9)
+    assert model.transformer_blocks[0].attn.to_q.lora_B["default"].bias is not None
+    golden_out, golden_grads = forward_backward(golden_model(model), golden_inputs(inputs))
+    eager_out, eager_grads = forward_backward(model, inputs)
+    with flowlock.patch(model), flowlock.mode("strict") as frame:
+        strict_out, strict_grads = forward_backward(model, inputs)
+    assert frame.fallbacks == []
+    for name, actual, gold, eager in zip(("sample", "audio_sample"), strict_out, golden_out, eager_out):
+        assert_within_budget(actual, gold, baseline=eager, what=name)
+    assert any(name.endswith("lora_B.default.bias") for name in golden_grads)
+    for name, gold in golden_grads.items():
+        assert_within_budget(strict_grads[name], gold, baseline=eager_grads[name], what=f"grad {name}")

@@ -4,7 +4,8 @@ peft's vanilla LoRA forward is ``base(x) + B(A(dropout(x.to(A.dtype)))) * scalin
 adapter, then a cast back to the base output dtype. Here the three GEMMs are flowlock ``linear``
 (row-pure, fixed K order) and the scale, add and cast are the same eager elementwise ops, so the
 result is batch-invariant and repeatable. Dropout must be the identity; LoRA variants (DoRA and
-others), LoRA biases and a layer whose adapters are disabled while merged are not served.
+others), a bias on the A factor and a layer whose adapters are disabled while merged are not served;
+peft's ``lora_bias`` (a bias on B, added before the scaling as peft does) is.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def lora_unsupported_reason(module: nn.Module) -> str | None:
         if not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout)
                                                      and (dropout.p == 0.0 or not dropout.training))):
             return f"adapter {name!r} has active dropout (strict LoRA needs the identity)"
-        for part in (module.lora_A[name], module.lora_B[name]):
-            if module_class(part) is not nn.Linear or part.bias is not None:
-                return f"adapter {name!r} has a {type(part).__name__} factor with a bias or of another type"
+        a, b = module.lora_A[name], module.lora_B[name]
+        if module_class(a) is not nn.Linear or module_class(b) is not nn.Linear or a.bias is not None:
+            return f"adapter {name!r} has factors of another type than torch.nn.Linear or a bias on A"
+        for part in (a, b):
             if leaf_hook_reason(part):
                 return leaf_hook_reason(part)
     return None
@@ -65,8 +67,10 @@ def strict_lora_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return result
     out_dtype = result.dtype
     for name in _active(module):
-        a, b = compute_param(module.lora_A[name], "weight"), compute_param(module.lora_B[name], "weight")
+        a, b = module.lora_A[name], module.lora_B[name]
+        a_weight = compute_param(a, "weight")
         if casts_lora_input(module):
-            x = x.to(a.dtype)
-        result = result + linear(linear(x, a), b) * module.scaling[name]
+            x = x.to(a_weight.dtype)
+        delta = linear(linear(x, a_weight), compute_param(b, "weight"), compute_param(b, "bias"))
+        result = result + delta * module.scaling[name]
     return result.to(out_dtype)

@@ -84,6 +84,19 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[to
     return freqs.cos(), freqs.sin()
 
 
+@torch.library.custom_op("flowlock::h3_rope_cos_sin", mutates_args=())
+def compiled_rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_cos_sin` as one opaque node for ``torch.compile``: inductor would otherwise generate
+    its own cos / sin (and fuse them), which are not eager's bits. Tables need no gradient."""
+    return rope_cos_sin(inv_freq, position_ids)
+
+
+@compiled_rope_cos_sin.register_fake
+def _(inv_freq, position_ids):
+    shape = (position_ids.shape[0], 6 * inv_freq.numel())
+    return (position_ids.new_empty(shape, dtype=torch.float32), position_ids.new_empty(shape, dtype=torch.float32))
+
+
 def _dropout_is_identity(module: nn.Module) -> bool:
     return isinstance(module, nn.Identity) or (isinstance(module, nn.Dropout)
                                                and (module.p == 0.0 or not module.training))
@@ -428,8 +441,8 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     if run.runs_own(model.rope):
         cos, sin = model.rope(position_ids)
     elif torch.compiler.is_compiling():
-        # The memo compares storage pointers, which a graph cannot; compiled, the tables are graph nodes.
-        cos, sin = rope_cos_sin(inv_freq, position_ids)
+        # The memo compares storage pointers, which a graph cannot; compiled, the tables are one graph node.
+        cos, sin = compiled_rope_cos_sin(inv_freq, position_ids)
     else:
         # Seven small launches per forward otherwise; a layout's positions are reused every step.
         cos, sin = memoized_over([position_ids, inv_freq], "rope_cos_sin",
