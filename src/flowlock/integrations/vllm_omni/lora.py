@@ -15,7 +15,9 @@ expand GEMM into the base output with one ``addmm``, which rounds differently fr
 * :func:`add_lora_to_engine` registers and activates the mapped tensors with vLLM-Omni's own
   ``DiffusionLoRAManager``.
 * :func:`lora_reason` / :func:`add_lora` serve a wrapper on the strict path: each active slice
-  adds ``linear(linear(x, A), B_folded)`` to its base output with flowlock ``linear``.
+  adds ``linear(linear(x, A), B_folded)`` to its base output with flowlock ``linear``, at the
+  adapter's own rank rather than the zero-padded bucket (flowlock ``linear`` may choose its launch
+  configuration by K, so the trainer's K = r is kept).
 
 Choice on the scale: it is folded into ``lora_B`` here, per module (vLLM folds one global scale,
 which is wrong when per-module ranks differ), and the engine is told ``alpha = r`` so it folds
@@ -289,7 +291,8 @@ def add_lora(module: nn.Module, x: torch.Tensor, outputs: list[torch.Tensor]) ->
     """
     if not is_lora_layer(module):
         return outputs
-    active = getattr(module, "_diffusion_lora_active_slices", None) or (False,) * len(outputs)
+    # vLLM-Omni's own rule: no mask means every slice is active
+    active = getattr(module, "_diffusion_lora_active_slices", None) or (True,) * len(outputs)
     result = list(outputs)
     for i, on in enumerate(active):
         factors = _factors(module.lora_a_stacked[i], module.lora_b_stacked[i]) if on else None
