@@ -170,3 +170,20 @@ def test_harness_catches_a_wrong_sync(trainer, engines, plant):
         rollout, expected = _rollout_rows(native, [request]), _trainer_rows(model, request)
     with pytest.raises(AssertionError, match="not bitwise equal"):
         assert_bitwise_equal(rollout, expected)
+
+
+def test_a_lora_layer_strict_cannot_compute_is_named_before_any_op(trainer):
+    from vllm.config import LoRAConfig, set_current_vllm_config
+    from vllm_omni.diffusion.lora.layers import DiffusionMergedQKVParallelLinearWithLoRA
+    from vllm_omni_env import vllm_config
+
+    native = build_native(ENGINE_CONFIG, trainer[1])
+    attn = native.blocks[1].attn
+    with set_current_vllm_config(vllm_config()):
+        wrapper = DiffusionMergedQKVParallelLinearWithLoRA(attn.qkv_proj)
+        wrapper.create_lora_weights(2, LoRAConfig(max_lora_rank=8, max_loras=2, lora_dtype=torch.bfloat16))
+    attn.qkv_proj = wrapper
+    with install(native), flowlock.mode("strict") as frame:
+        with pytest.raises(flowlock.StrictModeError, match="blocks.1.attn.qkv_proj: more than one LoRA slot"):
+            native(**native_kwargs([make_request(seed=1)]))
+    assert frame.ran == []

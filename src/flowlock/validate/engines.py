@@ -241,19 +241,26 @@ def _synced_lora(diffusers_model, native_model, rank: int = 8, seed: int = 3) ->
     return f"peft LoRA r{rank}/alpha{2 * rank} on q/k/v/out/fc1/fc2, synced trainer -> rollout in memory"
 
 
-def engine_demo(device: torch.device, *, n_requests: int = 3, steps: int = 2, lora: bool = True,
+def engine_demo(device: torch.device, *, n_requests: int = 3, steps: int = 2, lora: bool | None = None,
                 consistency: bool = True) -> dict:
     """The cross-engine demo on the tiny H3 (random weights): rollout/replay consistency (unless not
     ``consistency``) and the trace, strict (both engines under flowlock) and stock (both engines' own
     forwards), side by side. ``lora``: the trainer carries a LoRA synced into vLLM-Omni
-    (:func:`_synced_lora`). ``ok``: strict is bitwise equal across engines in all of it."""
+    (:func:`_synced_lora`); by default when peft is installed, and the report's ``adapter`` says
+    which. ``ok``: strict is bitwise equal across engines in all of it."""
+    import importlib.util
+
     from flowlock.integrations.vllm_omni import install
     from flowlock.integrations.vllm_omni.runtime import native_from_diffusers
     from flowlock.models.minimax_h3 import TINY_H3_CONFIG, make_h3
 
     diffusers_model = make_h3({**TINY_H3_CONFIG, **ROLLOUT_WIDTHS}, seed=0, device=device)
     native_model = native_from_diffusers(diffusers_model)
-    adapter = _synced_lora(diffusers_model, native_model) if lora else "no LoRA"
+    has_peft = importlib.util.find_spec("peft") is not None
+    if lora is None:
+        lora = has_peft
+    adapter = _synced_lora(diffusers_model, native_model) if lora else (
+        "no LoRA" if has_peft else "no LoRA (peft is not installed)")
     with flowlock.patch(diffusers_model, mode="strict"), install(native_model, mode="strict"):
         runs = {mode: run_engine_consistency(diffusers_model, native_model, n_requests=n_requests, steps=steps,
                                              mode=mode) for mode in ("strict", "provider")} if consistency else None
