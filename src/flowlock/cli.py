@@ -1,9 +1,11 @@
 """``flowlock`` command line: demo, check, trace, bench, convert.
 
 ``flowlock demo``   the conditioning-chain table (strict and provider: invariance, repeatability
-                    per stage) and the RL rollout/replay consistency run side by side.
+                    per stage) and the RL rollout/replay consistency run side by side;
+                    ``--rollout vllm-omni`` samples in vLLM-Omni and replays in diffusers instead.
 ``flowlock check``  the validation suites; exit status 1 on any failure.
-``flowlock trace``  first divergence between a sample alone and inside a batch, strict and provider.
+``flowlock trace``  first divergence between a sample alone and inside a batch, strict and provider;
+                    ``--rollout vllm-omni``: the first module where vLLM-Omni and diffusers differ.
 ``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate);
                     flags after the names go to the scripts.
 ``flowlock convert`` a diffusers H3 checkpoint directory to vLLM-Omni native names or back
@@ -153,7 +155,33 @@ def _plot_demo(payload: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _across_engines(args: argparse.Namespace) -> int:
+    """``demo`` / ``trace`` with ``--rollout vllm-omni`` (:mod:`flowlock.validate.engines`)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_omni") is None or importlib.util.find_spec("vllm") is None:
+        print("flowlock: --rollout vllm-omni needs vllm 0.30.0 and vllm-omni 0.30.0 installed "
+              "(see requirements/vllm-cpu.txt)", file=sys.stderr)
+        return 2
+    from flowlock.integrations.vllm_omni.runtime import NoAttentionBackend
+    from flowlock.validate.engines import engine_demo, format_report
+
+    try:
+        payload = engine_demo(_device(args.device), **({"n_requests": args.samples, "steps": args.steps}
+                                                        if args.command == "demo" else {"consistency": False}))
+    except NoAttentionBackend as err:
+        print(f"flowlock: {err}", file=sys.stderr)
+        return 2
+    print(format_report(payload))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    return 0 if payload["ok"] else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.rollout == "vllm-omni":
+        return _across_engines(args)
     from flowlock.models.minimax_h3.layout import layout_for_length
     from flowlock.validate.chain import chain_replay
     from flowlock.validate.consistency import run_consistency
@@ -242,6 +270,8 @@ def _describe(result: dict) -> str:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
+    if args.rollout == "vllm-omni":
+        return _across_engines(args)
     device = _device(args.device)
     model, origin = _load_model(None, device)
     results = run_traces(model)
@@ -379,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=2, help="blocks of the full-width model")
     demo.add_argument("--seq", type=int, default=None, help="packed rows per sample (default: 24)")
     demo.set_defaults(func=cmd_demo)
+    rollout = dict(choices=("diffusers", "vllm-omni"), default="diffusers",
+                   help="the rollout engine: diffusers (one engine) or vLLM-Omni (replayed in diffusers)")
+    demo.add_argument("--rollout", **rollout)
     for name, func, text in (("check", cmd_check, "run the validation suites; non-zero exit on failure"),
                              ("trace", cmd_trace, "first divergence alone vs batched, strict and provider")):
         p = sub.add_parser(name, help=text)
@@ -387,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     sub.choices["check"].add_argument("--layout", default=None, help="instead: the layout suite on gloo "
                                       "subprocesses (ulysses=2, ulysses=4, dp=2,ulysses=2)")
+    trace_parser = sub.choices["trace"]
+    trace_parser.add_argument("--rollout", **rollout)
     bench = sub.add_parser("bench", help="run benchmark scripts (each gated by its CPU tests)")
     bench.add_argument("names", nargs="*", metavar="NAME",
                        help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)} but "

@@ -11,7 +11,7 @@ from torch import nn
 from vllm.config import LoRAConfig, set_current_vllm_config
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm_omni.diffusion.hooks.base import HookRegistry, ModelHook
-from vllm_omni.diffusion.lora.layers import DiffusionQKVParallelLinearWithLoRA
+from vllm_omni.diffusion.lora.layers import DiffusionColumnParallelLinearWithLoRA
 from vllm_omni_env import vllm_config
 
 import flowlock
@@ -34,11 +34,11 @@ class _SageBackend:
 
 
 def _lora(model):
-    attn = model.blocks[0].attn
+    # LoRA on q/k/v, out, fc1 and fc2 is served (test_vllm_omni_lora.py); on condition_proj it is not
     with set_current_vllm_config(vllm_config()):
-        wrapper = DiffusionQKVParallelLinearWithLoRA(attn.qkv_proj)
+        wrapper = DiffusionColumnParallelLinearWithLoRA(model.condition_proj)
         wrapper.create_lora_weights(1, LoRAConfig(max_lora_rank=8, max_loras=1, lora_dtype=torch.bfloat16))
-    attn.qkv_proj = wrapper
+    model.condition_proj = wrapper
 
 
 def _quantized(model):
@@ -72,7 +72,7 @@ def _hook(model):
 
 DEFECTS = {
     "quantized": (_quantized, "blocks.0.attn.qkv_proj", "quantized"),
-    "lora": (_lora, "blocks.0.attn.qkv_proj", "DiffusionQKVParallelLinearWithLoRA: vLLM-Omni LoRA layers"),
+    "lora": (_lora, "condition_proj", "DiffusionColumnParallelLinearWithLoRA: LoRA on this layer is not on the strict"),
     "biased": (_biased, "blocks.1.mlp.fc2", "a bias where H3 has none"),
     "backend": (_sage, "blocks.1.attn", "SAGE_ATTN"),
     "tp": (_tensor_parallel, "condition_proj", "tensor parallel size 2"),

@@ -1,12 +1,14 @@
 """What the strict path can compute for a vLLM-Omni ``MiniMaxH3DiTModel``, decided before any op runs.
 
 Served: vLLM's unquantized parallel linears at TP = 1 with H3's biases (patch, condition, time,
-AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's ``RMSNorm``, and dense
-softmax attention whatever dense backend vLLM-Omni resolved (flowlock replaces the backend call,
-so FLASH_ATTN, cuDNN, SDPA and the others give one answer). Not served, each named with its module:
-a quantized linear, a bias where H3 has none (or none where it has one), another layer type (a
-LoRA wrapper), TP > 1, sparse or approximate attention backends (VSA, Sage, RainFusion, TRT-LLM),
-VSA gates, quantized KV, ring / Ulysses sequence parallelism, Cache-DiT and any vLLM-Omni hook
+AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's diffusion LoRA
+wrappers on q/k/v, out, fc1 and fc2 (:mod:`flowlock.integrations.vllm_omni.lora`), vLLM-Omni's
+``RMSNorm``, and dense softmax attention whatever dense backend vLLM-Omni resolved (flowlock
+replaces the backend call, so FLASH_ATTN, cuDNN, SDPA and the others give one answer). Not
+served, each named with its module: a quantized linear, a bias where H3 has none (or none where
+it has one), another layer type, a LoRA wrapper on any other linear (or one with several slots,
+sharded, or in another dtype), TP > 1, sparse or approximate attention backends (VSA, Sage,
+RainFusion, TRT-LLM), VSA gates, quantized KV, ring / Ulysses sequence parallelism, Cache-DiT and any vLLM-Omni hook
 (TeaCache, offload, SP), whose effect on the arithmetic the strict path cannot vouch for.
 
 Strict mode raises :class:`flowlock.StrictModeError` at the first such module; audit mode records
@@ -37,6 +39,7 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
     MiniMaxH3TokenRefinerBlock,
 )
 
+from flowlock.integrations.vllm_omni.lora import is_lora_layer, lora_reason
 from flowlock.modes import fallback_or_raise
 
 LINEAR_CLASSES = (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear, MergedColumnParallelLinear)
@@ -46,10 +49,13 @@ DENSE_BACKENDS = frozenset({"FLASH_ATTN", "FLASH_ATTN_HUB", "FLASH_ATTN_3_HUB", 
                             "FLASHINFER_ATTN"})
 
 
-def linear_reason(module: nn.Module, biased: bool) -> str | None:
-    """Why the strict path cannot compute this linear, or None."""
-    if hasattr(module, "base_layer") and hasattr(module, "lora_a_stacked"):
-        return f"{type(module).__name__}: vLLM-Omni LoRA layers are not on the strict path yet"
+def linear_reason(module: nn.Module, biased: bool, lora: bool = False) -> str | None:
+    """Why the strict path cannot compute this linear, or None; ``lora``: a LoRA wrapper is served here."""
+    if is_lora_layer(module):
+        if not lora:
+            return (f"{type(module).__name__}: LoRA on this layer is not on the strict path (served: q/k/v, out, "
+                    "fc1, fc2 of the blocks)")
+        return lora_reason(module) or linear_reason(module.base_layer, biased)
     if type(module) not in LINEAR_CLASSES:
         return f"{type(module).__name__} is not one of vLLM's parallel linears"
     if type(module.quant_method) is not UnquantizedLinearMethod:
@@ -182,7 +188,7 @@ class NativeRun:
         self._check(attn, reason)
         if reason is None:
             for module in (attn.qkv_proj, attn.out_proj):
-                self._check(module, linear_reason(module, biased=False), fallback=attn)
+                self._check(module, linear_reason(module, biased=False, lora=True), fallback=attn)
             for norm in (attn.q_norm, attn.k_norm):
                 self._check(norm, _rms_norm_reason(norm), fallback=attn)
 
@@ -191,7 +197,7 @@ class NativeRun:
             self._check(mlp, f"{type(mlp).__name__} is not MiniMaxH3MLP")
             return
         for module in (mlp.fc1, mlp.fc2):
-            self._check(module, linear_reason(module, biased=False), fallback=mlp)
+            self._check(module, linear_reason(module, biased=False, lora=True), fallback=mlp)
 
     def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None) -> None:
         if reason is None:

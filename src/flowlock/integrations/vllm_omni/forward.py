@@ -11,7 +11,8 @@ engines give the same bits:
 * timestep: ``timestep_sinusoid`` -> ``timestep_mlp`` on the distinct timesteps;
 * each block: ``adaln_table`` (the AdaLN memo cache is never consulted: the table always comes
   from flowlock's own projection), ``rms_norm_modulate``, q, k and v as three ``linear`` on the row
-  blocks of the fused ``qkv_proj`` weight (the bits of diffusers' separate projections),
+  blocks of the fused ``qkv_proj`` weight (the bits of diffusers' separate projections), each
+  with its LoRA slice added when vLLM-Omni wrapped the layer (:mod:`.lora`; out, fc1, fc2 too),
   ``qk_norm_rope``, ``attention`` once per document of ``cu_seqlens`` (a padding run is a document
   of its own, so padding never reaches a real row), ``linear`` out_proj, ``gate_residual``; the MLP
   is ``linear`` fc1, its [gate; up] halves put in diffusers' [value; gate] order for ``swiglu``,
@@ -36,6 +37,7 @@ from torch import nn
 
 from flowlock.integrations.vllm_omni.coverage import NativeRun
 from flowlock.integrations.vllm_omni.inputs import documents, parse_inputs
+from flowlock.integrations.vllm_omni.lora import add_lora
 from flowlock.models.minimax_h3.strict import STRICT_MARK, rope_cos_sin
 from flowlock.modes import mode
 from flowlock.ops._validate import memoized_over
@@ -111,6 +113,15 @@ def linear_forward(run: NativeRun, module: nn.Module, x: torch.Tensor) -> torch.
     return linear(x, module.weight, module.bias)
 
 
+def _base_weight(module: nn.Module) -> torch.Tensor:
+    return getattr(module, "base_layer", module).weight
+
+
+def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A bias-free block linear (out_proj, fc2), its LoRA added if wrapped."""
+    return add_lora(module, x, [linear(x, _base_weight(module))])[0]
+
+
 def attention_forward(run: NativeRun, attn: nn.Module, x: torch.Tensor, rope: RopeTables | None,
                       docs: tuple[tuple[int, int], ...], own_kwargs: dict) -> torch.Tensor:
     """``MiniMaxH3Attention``: x ``(T, hidden)`` bf16 -> ``(T, hidden)`` bf16, attending within ``docs``."""
@@ -120,7 +131,8 @@ def attention_forward(run: NativeRun, attn: nn.Module, x: torch.Tensor, rope: Ro
     total, inner = x.shape[0], attn.num_heads * attn.head_dim
     # Three GEMMs on the row blocks [q; k; v] of the fused weight: the nodes of diffusers' separate
     # to_q / to_k / to_v, so the bits of both engines' projections are the same.
-    q, k, v = (linear(x, w).view(1, total, attn.num_heads, attn.head_dim) for w in attn.qkv_proj.weight.split(inner))
+    qkv = [linear(x, w) for w in _base_weight(attn.qkv_proj).split(inner)]
+    q, k, v = (t.view(1, total, attn.num_heads, attn.head_dim) for t in add_lora(attn.qkv_proj, x, qkv))
     if rope is None:
         q, k = (rms_norm(t, norm.weight, norm.variance_epsilon) for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
     else:
@@ -129,7 +141,7 @@ def attention_forward(run: NativeRun, attn: nn.Module, x: torch.Tensor, rope: Ro
     # diffusers' default scale 1/sqrt(D) (coverage checked the module's D ** -0.5 equals it to 1e-12).
     parts = [attention(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return linear(out.view(total, inner), attn.out_proj.weight)
+    return _project(attn.out_proj, out.view(total, inner))
 
 
 def _norm(run: NativeRun, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -142,11 +154,11 @@ def mlp_forward(run: NativeRun, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor
     """``MiniMaxH3MLP``: fc1 -> SiLU-and-mul -> fc2 on ``(T, hidden)`` bf16."""
     if run.runs_own(mlp):
         return mlp(x)
-    h = linear(x, mlp.fc1.weight)
+    h = linear(x, _base_weight(mlp.fc1))
     # native fc1 rows are [gate; up], diffusers' SwiGLU wants [value; gate]: permuting GEMM columns
     # is exact, and swiglu's value * silu(gate) is the bits of vLLM's silu(gate) * up.
-    gate, up = h.chunk(2, dim=-1)
-    return linear(swiglu(torch.cat((up, gate), dim=-1)), mlp.fc2.weight)
+    gate, up = add_lora(mlp.fc1, x, list(h.chunk(2, dim=-1)))
+    return _project(mlp.fc2, swiglu(torch.cat((up, gate), dim=-1)))
 
 
 def refiner_block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, cu_seqlens: torch.Tensor,

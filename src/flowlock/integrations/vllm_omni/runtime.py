@@ -1,0 +1,86 @@
+"""A vLLM-Omni ``MiniMaxH3DiTModel`` holding a diffusers H3's weights, in this process (TP = 1).
+
+For the cross-engine demo and trace: vLLM needs a current ``VllmConfig`` and an initialised
+model-parallel group before a parallel linear can be built; :func:`native_from_diffusers` sets a
+one-rank group up once (gloo on a CPU, NCCL on CUDA) unless the caller already has one, builds the
+native model from the diffusers config and loads the diffusers state dict through vLLM-Omni's own
+``load_weights``.
+
+No shim is installed here. vLLM-Omni picks a diffusion attention backend per platform while it
+builds the model, and on a host without an accelerator it has none: that is reported as
+:class:`NoAttentionBackend`, with what to do. (flowlock's strict path never calls that backend, but
+the stock path does, and the model cannot be built without one.)
+"""
+
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+
+class NoAttentionBackend(RuntimeError):
+    """vLLM-Omni selects no diffusion attention backend on this platform."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vllm_config(device: torch.device):
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device.type))
+
+
+def ensure_model_parallel(device: torch.device) -> None:
+    """A one-rank model-parallel group (TP = 1) for this process, unless one exists already."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    if model_parallel_is_initialized():
+        return
+    with set_current_vllm_config(_vllm_config(device)):
+        init_distributed_environment(world_size=1, rank=0, local_rank=device.index or 0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                     backend="nccl" if device.type == "cuda" else "gloo")
+        initialize_model_parallel(1)
+
+
+def native_from_diffusers(model: nn.Module) -> nn.Module:
+    """vLLM-Omni's ``MiniMaxH3DiTModel`` (eval, on ``model``'s device) with the diffusers H3 ``model``'s
+    weights, loaded by the native model's own ``load_weights`` from the diffusers names.
+
+    Raises :class:`NoAttentionBackend` when vLLM-Omni has no attention backend for this platform.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMaxH3DiTModel
+
+    device = next(model.parameters()).device
+    ensure_model_parallel(device)
+    hidden = model.config["hidden_size"]
+    # the native defaults assume H = 5376 for the two AdaLN widths; the class name makes
+    # load_weights take diffusers names
+    config = {**dict(model.config), "adaln_out_features": 18 * hidden, "final_adaln_out_features": 2 * hidden,
+              "_class_name": "MiniMaxH3Transformer3DModel"}
+    # the fields of vLLM-Omni's OmniDiffusionConfig the DiT reads (AdaLN memo cache: vLLM-Omni's default)
+    od_config = SimpleNamespace(tf_model_config=config, parallel_config=SimpleNamespace(ulysses_degree=1),
+                                cache_config={"minimax_h3_adaln_cache": True})
+    try:
+        with set_current_vllm_config(_vllm_config(device)), torch.device(device):
+            native = MiniMaxH3DiTModel(od_config, None)
+    except NotImplementedError as err:
+        raise NoAttentionBackend(
+            f"vLLM-Omni selects no diffusion attention backend on {device.type} ({err}); run the cross-engine "
+            "demo on a GPU (CPU tests install an SDPA backend with a CPU forward: tests/vllm_omni_env.py)") from err
+    native.load_weights(model.state_dict().items())
+    native.post_load_weights()
+    return native.eval()
