@@ -119,8 +119,9 @@ register("timestep_mlp_t", "fp32", "sm90", _cfg(4, BLOCK_N=8, BLOCK_K=256,
 register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
 register("timestep_mlp_wgrad", "fp32", "sm90",
          _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))
-register("swiglu", "bf16", "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
-register("swiglu", "bf16", "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
+for _dt in ("bf16", "fp16", "fp32"):
+    register("swiglu", _dt, "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
+    register("swiglu", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound; fp16/fp32 reuse the bf16 size"))
 register("qk_norm_rope_fwd", "bf16", "any", _cfg(4, note="one (token, head) row per program"))
 register("qk_norm_rope_bwd", "bf16", "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
 register("qk_norm_rope_bwd", "bf16", "sm90", _cfg(4, TILE_ROWS=256, note="256 rows per program: 8x fewer partials"))
