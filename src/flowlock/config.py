@@ -122,9 +122,11 @@ register("timestep_mlp_wgrad", "fp32", "sm90",
 for _dt in ("bf16", "fp16", "fp32"):
     register("swiglu", _dt, "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
     register("swiglu", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound; fp16/fp32 reuse the bf16 size"))
-register("qk_norm_rope_fwd", "bf16", "any", _cfg(4, note="one (token, head) row per program"))
-register("qk_norm_rope_bwd", "bf16", "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
-register("qk_norm_rope_bwd", "bf16", "sm90", _cfg(4, TILE_ROWS=256, note="256 rows per program: 8x fewer partials"))
+for _dt in ("bf16", "fp16", "fp32"):
+    register("qk_norm_rope_fwd", _dt, "any", _cfg(4, note="one (token, head) row per program"))
+    register("qk_norm_rope_bwd", _dt, "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
+    register("qk_norm_rope_bwd", _dt, "sm90", _cfg(4, TILE_ROWS=256, note="256 rows per program: 8x fewer "
+                                                                         "partials; fp16/fp32 reuse the bf16 size"))
 
 # rows (gather_rows / scatter_rows): pure copies; BLOCK_H by design (bandwidth-bound), not yet timed on an H200.
 for _dt in ("fp32", "bf16", "fp16"):
