@@ -20,6 +20,7 @@ import triton.language as tl
 
 from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
+from flowlock.ops._dot import dot_f32
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
@@ -48,7 +49,7 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
         w = tl.load(w_ptr + offs_n[None, :] * E + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
-            acc += tl.dot(a, to_f32(w), input_precision="ieee")
+            acc += dot_f32(a, to_f32(w))
         else:
             acc += tl.dot(from_f32(a, tl.bfloat16), w)
     bias = to_f32(tl.load(b_ptr + offs_n, mask=mask_n, other=0.0))
@@ -78,7 +79,7 @@ def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * E + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.dot(g, to_f32(w), input_precision="ieee")
+        acc += dot_f32(g, to_f32(w))
     base = pid_c.to(tl.int64) * T * E
     tl.store(part_ptr + base + offs_t[:, None] * E + offs_k[None, :], acc,
              mask=mask_t[:, None] & mask_k[None, :])

@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, launch_config
+from flowlock.ops._dot import dot_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import arch_of, cdiv, traced
 from flowlock.ops.attention.reference import LOG2E
@@ -46,9 +47,9 @@ from flowlock.ops.attention.reference import LOG2E
 @triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
     """``acc + a @ b`` in fp32. The interpreter gets fp32 operands (it computes bf16 dots wrongly;
-    products of bf16 values are exact in fp32)."""
+    products of bf16 values are exact in fp32) and a product that does not go through the host BLAS."""
     if UPCAST:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        acc = acc + dot_f32(a.to(tl.float32), b.to(tl.float32))
     else:
         acc = tl.dot(a, b, acc)
     return acc

@@ -39,6 +39,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, config_for
 from flowlock.dispatch import interpreter_active
+from flowlock.ops._dot import dot_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 
@@ -64,9 +65,9 @@ def _mma(a, b, acc, FP32_DOT: tl.constexpr):
     # products are exact in fp32). "ieee" keeps fp32 out of TF32. The fp32 dot is a chain of FMAs
     # on the GPU, so each BLOCK_R block is summed from zero and then added: error grows with
     # BLOCK_R + R / BLOCK_R instead of R (measured on an H200: 5x cuBLAS's fp32 dX error over
-    # R = 5376 when chained). The interpreter computes a dot as acc + a @ b either way.
+    # R = 5376 when chained).
     if FP32_DOT:
-        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return acc + dot_f32(a.to(tl.float32), b.to(tl.float32))
     else:
         return tl.dot(a, b, acc)
 

@@ -1,0 +1,38 @@
+"""The fp32 tile product of flowlock's kernels, with bits that do not depend on the host CPU when
+interpreted.
+
+Compiled, :func:`dot_f32` is ``tl.dot(a, b, input_precision="ieee")``: true fp32 (no TF32), summed
+in an order fixed by the kernel and its frozen config. Under Triton's CPU interpreter (3.6),
+``tl.dot`` is ``numpy.matmul``, which hands the tile to the host's BLAS ``sgemm``. OpenBLAS picks
+its kernel by CPU at run time, and the Haswell / Zen kernels (what an AVX2-only CPU selects) sum
+the products of one output row in a different order depending on the row's position in the tile:
+in every group of 12 rows, rows 6-11 differ from rows 0-5 in the last bits, while the
+Sandybridge kernel gives every position the same bits. A sample whose rows move within a tile when
+the batch changes would then change bits with the batch on some machines and not on others, and an
+invariance test would be checking the host BLAS instead of the kernel.
+
+Interpreted, :func:`dot_f32` therefore never calls BLAS: it forms the (M, K, N) products
+elementwise and reduces the K axis with ``tl.sum`` (numpy's add reduction over a non-contiguous
+axis: one IEEE fp32 addition per k, ascending, the same for every row and column of the tile).
+Each output element is then a pure function of its own A row and B column on every CPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+
+@triton.jit
+def dot_f32(a, b):
+    """``a (M, K) @ b (K, N)`` of fp32 tiles in fp32, as an (M, N) fp32 tile."""
+    if NATIVE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+# tl.dot when the kernels are compiled; the BLAS-free product when @triton.jit made interpreted
+# functions (TRITON_INTERPRET=1 when Triton decorated this module).
+NATIVE = tl.constexpr(not isinstance(dot_f32, InterpretedFunction))
