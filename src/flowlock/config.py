@@ -131,21 +131,44 @@ for _dt in ("bf16", "fp16", "fp32"):
 # rows (gather_rows / scatter_rows): pure copies; BLOCK_H by design (bandwidth-bound), not yet timed on an H200.
 for _dt in ("fp32", "bf16", "fp16"):
     register("rows", _dt, "any", _cfg(4, BLOCK_H=1024, note="one 1024-channel slice of one row per program"))
-# attention: keyed by head dim D; "any" tiles are interpreter-sized so odd test shapes cross several blocks
+# attention: keyed by the power-of-two head tile BLOCK_D (a padded head dim runs its tile's entry); "any" tiles are
+# interpreter-sized so odd test shapes cross several blocks
 _ATTN_SM90 = ("best of two sweeps at B=1, 56 heads, D=128, S=16384 on an H200 (bench_attention.py --sweep, "
               "benchmarks/results/attention_h200_run*.json); D=32/64 reuse the D=128 tiles untimed; "
               "TMA=1 reads q/k/v/dO through descriptors (same bits as TMA=0, the pointer loads)")
 _DP_FIRST = ("; DP_FIRST=1: backward 3% faster at S = 4096, 16384 and 32768 in the H200 sweep of 49d5e61 "
              "(same bits; no gain for dQ, which keeps the plain order)")
-for _d in (32, 64, 128):
-    for _op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
-        register(_op, "bf16", "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, TMA=0, note="interpreter-sized"), (_d,))
-    register("attention_bwd_delta", "bf16", "any", _cfg(4, BLOCK_M=16, note="interpreter-sized"), (_d,))
-    register("attention_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_ATTN_SM90), (_d,))
-    register("attention_bwd_delta", "bf16", "sm90", _cfg(4, BLOCK_M=64, note="memory-bound row sums"), (_d,))
-    register("attention_bwd_dkdv", "bf16", "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1,
-                                                         note=_ATTN_SM90 + _DP_FIRST), (_d,))
-    register("attention_bwd_dq", "bf16", "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_ATTN_SM90), (_d,))
+_ATTN_NEW = "by design, untimed: {} (fits shared memory and registers on paper; compile and sweep on an H200)"
+for _dt in ("bf16", "fp16", "fp32"):
+    for _d in (16, 32, 64, 128, 256):
+        for _op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
+            register(_op, _dt, "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, TMA=0, note="interpreter-sized"), (_d,))
+        register("attention_bwd_delta", _dt, "any", _cfg(4, BLOCK_M=16, note="interpreter-sized"), (_d,))
+        register("attention_bwd_delta", _dt, "sm90", _cfg(4, BLOCK_M=64, note="memory-bound row sums"), (_d,))
+# bf16 D = 32/64/128: the swept entries; fp16 (same bytes, same tensor-core rate) takes the same tiles
+for _dt in ("bf16", "fp16"):
+    for _d in (16, 32, 64, 128):
+        if _dt == "fp16":
+            _note = _ATTN_NEW.format("fp16 takes the bf16 tiles")
+        else:
+            _note = _ATTN_SM90 if _d > 16 else _ATTN_NEW.format("D=16 takes the D=128 tiles")
+        register("attention_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_note), (_d,))
+        register("attention_bwd_dkdv", _dt, "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1,
+                                                          note=_note + _DP_FIRST), (_d,))
+        register("attention_bwd_dq", _dt, "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_note), (_d,))
+    # D = 256 (and padded 136..248): half-size KV tiles keep the fp32 accumulators and staged K/V on chip
+    _note = _ATTN_NEW.format("D=256 halves the KV tiles of D=128")
+    register("attention_fwd", _dt, "sm90", _cfg(8, 2, BLOCK_M=64, BLOCK_N=64, TMA=1, note=_note), (256,))
+    register("attention_bwd_dkdv", _dt, "sm90", _cfg(8, 2, BLOCK_M=32, BLOCK_N=64, TMA=1, DP_FIRST=1, note=_note),
+             (256,))
+    register("attention_bwd_dq", _dt, "sm90", _cfg(8, 2, BLOCK_M=64, BLOCK_N=32, TMA=1, note=_note), (256,))
+# fp32: true-fp32 FMA products (no tensor cores), pointer loads; small tiles, halved again at D = 256
+for _d in (16, 32, 64, 128, 256):
+    _m = 64 if _d < 256 else 32
+    _note = _ATTN_NEW.format("true-fp32 FMA tiles")
+    register("attention_fwd", "fp32", "sm90", _cfg(4, 2, BLOCK_M=_m, BLOCK_N=32, TMA=0, note=_note), (_d,))
+    register("attention_bwd_dkdv", "fp32", "sm90", _cfg(4, 2, BLOCK_M=32, BLOCK_N=_m, TMA=0, note=_note), (_d,))
+    register("attention_bwd_dq", "fp32", "sm90", _cfg(4, 2, BLOCK_M=_m, BLOCK_N=32, TMA=0, note=_note), (_d,))
 
 # linear: BLOCK_R (reduced-dim block) is one value per (dtype, arch) for every weight shape, so fused qkv == q, k, v.
 _LINEAR_ANY = "interpreter-sized (ragged tails at test shapes); non-Hopper GPUs run the pointer kernel with these"
