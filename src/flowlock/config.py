@@ -121,7 +121,7 @@ register("timestep_mlp_wgrad", "fp32", "sm90",
          _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))
 for _dt in ("bf16", "fp16", "fp32"):
     register("swiglu", _dt, "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
-    register("swiglu", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound; fp16/fp32 reuse the bf16 size"))
+    register("swiglu", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound; fp16/fp32 reuse bf16's"))
 for _dt in ("bf16", "fp16", "fp32"):
     register("qk_norm_rope_fwd", _dt, "any", _cfg(4, note="one (token, head) row per program"))
     register("qk_norm_rope_bwd", _dt, "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
@@ -203,17 +203,19 @@ register("linear_dbias", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=10
 
 # adaln (adaln_table / adaln_modulation / final_adaln_out): chosen by design for the weight-streaming
 # memory roof on sm90 (not yet measured on an H200); the "any" entries keep interpreter runs small.
-register("adaln_proj_fwd", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=32, BLOCK_K=16,
-                                               note="interpreter-sized; K tiles of 16 exercise masked tails"))
-register("adaln_proj_fwd", "bf16", "sm90", _cfg(4, 4, BLOCK_T=16, BLOCK_N=128, BLOCK_K=64,
-                                                note="H200 sweep: 54 us vs 88 us for 64x128 at N=6H, same bits"))
-register("adaln_proj_bwd_act", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=80,
-                                                   note="interpreter-sized; several N chunks, ragged last"))
-register("adaln_proj_bwd_act", "bf16", "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=4096,
-                                                    note="24 fixed N chunks x 42 K tiles at H3 dims"))
-register("adaln_proj_bwd_weight", "bf16", "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
-register("adaln_proj_bwd_weight", "bf16", "sm90", _cfg(4, 1, BLOCK_N=64, BLOCK_K=128,
-                                                       note="dW written once; T rows streamed per tile"))
+for _dt in ("bf16", "fp16", "fp32"):
+    _new = "" if _dt == "bf16" else f"; {_dt} takes the bf16 tiles, untimed"
+    register("adaln_proj_fwd", _dt, "any", _cfg(4, BLOCK_T=16, BLOCK_N=32, BLOCK_K=16,
+                                                note="interpreter-sized; K tiles of 16 exercise masked tails"))
+    register("adaln_proj_fwd", _dt, "sm90", _cfg(4, 4, BLOCK_T=16, BLOCK_N=128, BLOCK_K=64,
+                                                 note="H200 sweep: 54 us vs 88 us for 64x128 at N=6H" + _new))
+    register("adaln_proj_bwd_act", _dt, "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=80,
+                                                    note="interpreter-sized; several N chunks, ragged last"))
+    register("adaln_proj_bwd_act", _dt, "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=4096,
+                                                     note="24 fixed N chunks x 42 K tiles at H3 dims" + _new))
+    register("adaln_proj_bwd_weight", _dt, "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
+    register("adaln_proj_bwd_weight", _dt, "sm90", _cfg(4, 1, BLOCK_N=64, BLOCK_K=128,
+                                                        note="dW written once; T rows streamed per tile" + _new))
 register("adaln_gather", "fp32", "any", _cfg(4, BLOCK_S=16, BLOCK_H=32, note="row gather, memory-bound"))
 register("adaln_gather", "fp32", "sm90", _cfg(4, BLOCK_S=4, BLOCK_H=512,
                                               note="all six chunks per program, 512-wide rows; by design"))

@@ -4,9 +4,10 @@ Forward: one program per (token, head) row of D channels (any D: the row is one 
 masked past D; any even ``R <= D``). The rotate-half partner of channel ``j`` (``j ± R/2``) is
 recomputed from its own load rather than shuffled across registers, so every value is rounded
 exactly where eager rounds it in the input dtype (bf16 or fp16; fp32 rounds nowhere). Backward: one
-program per fixed tile of ``TILE_ROWS`` rows (a layout constant, never derived from the token count or the GPU); dx rows are
-pure, and the weight gradient is a per-tile float32 partial (rows ascending) folded over tiles by the
-shared fixed-order multi-level ``fold_partials``, then rounded once to the weight's dtype: no atomics.
+program per fixed tile of ``TILE_ROWS`` rows (a layout constant, never derived from the token count
+or the GPU); dx rows are pure, and the weight gradient is a per-tile float32 partial (rows
+ascending) folded over tiles by the shared fixed-order multi-level ``fold_partials``, then rounded
+once to the weight's dtype: no atomics.
 """
 
 from __future__ import annotations
