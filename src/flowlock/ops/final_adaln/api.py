@@ -35,8 +35,9 @@ def final_adaln_out(x: torch.Tensor, temb: torch.Tensor, norm_weight: torch.Tens
 
     Guarantees: the ``(T, 2H)`` table is ``w(w(silu(temb)) @ weight^T + bias)`` held in FP32, ``w``
     rounding to ``x.dtype`` (as ``adaln_table``); ``1 + scale``, the product and the sum round to
-    ``x.dtype`` where diffusers rounds (nowhere for float32); rows pure (batch-invariant), dx row-pure; the shift/scale gradients are fixed-order
-    FP32 segmented sums passed unrounded into the projection backward; every gradient repeatable.
+    ``x.dtype`` where diffusers rounds (nowhere for float32); rows pure (batch-invariant), dx
+    row-pure; the shift/scale gradients are fixed-order FP32 segmented sums passed unrounded into
+    the projection backward; every gradient repeatable.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < 2:
