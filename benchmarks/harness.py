@@ -7,7 +7,8 @@ Timing method (DESIGN §8): the two functions under comparison are timed in the 
 alternating which one runs first on every iteration, each call bracketed by CUDA events (a
 ``perf_counter`` pair on CPU, for smoke runs only), with setup (graph construction, fresh inputs)
 outside the timed region; the report is the median and the 20th/80th percentiles of >= 20 timed
-calls after warm-up.
+calls after warm-up. Calls too long to repeat 20 times (a full-depth training step) are timed in
+rounds instead (:func:`time_rounds`): the median, minimum and maximum of a few rounds.
 """
 
 from __future__ import annotations
@@ -117,18 +118,58 @@ def time_pair(fn_a: Callable[[object], object], fn_b: Callable[[object], object]
     """
     if iters < MIN_ITERS:
         raise ValueError(f"iters must be >= {MIN_ITERS}, got {iters}")
-    timer = _Timer(device, queued)
-    setup_a = setup_a or (lambda: None)
-    setup_b = setup_b or (lambda: None)
-    samples: dict[str, list[float]] = {"a": [], "b": []}
-    for it in range(warmup + iters):
-        order = (("a", fn_a, setup_a), ("b", fn_b, setup_b))
-        for key, fn, setup in (order if it % 2 == 0 else order[::-1]):
-            ms = timer(fn, setup())
-            if it >= warmup:
-                samples[key].append(ms)
-    a, b = _stats(samples["a"]), _stats(samples["b"])
+    samples = _rounds({"a": fn_a, "b": fn_b}, {"a": setup_a, "b": setup_b}, _Timer(device, queued), warmup, iters)
+    a, b = _stats(samples["a"]["samples_ms"]), _stats(samples["b"]["samples_ms"])
     return {"a": a, "b": b, "ratio_a_over_b": a["median_ms"] / b["median_ms"]}
+
+
+def time_rounds(fns: dict[str, Callable[[object], object]], *, device: torch.device,
+                setups: dict[str, Callable[[], object]] | None = None, rounds: int = 3, warmup: int = 1,
+                after: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """Time several functions against each other in rounds: every round calls each ``fns[k](setups[k]())``
+    once, idle-device timing as :func:`time_pair`, and the first function of a round rotates
+    (with two functions that is ``time_pair``'s alternation).
+
+    For calls too long for >= 20 repetitions. ``after(name)`` runs after each timed call, outside
+    the timed region (reading peak memory, say). A function that raises is dropped from the later
+    rounds and reported as ``{"error": "Type: message"}`` instead of ending the run; the others
+    report ``median_ms``, ``min_ms``, ``max_ms``, ``n``, ``samples_ms`` and ``warmup_ms`` (the
+    warm-up calls' times, which carry compilation).
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    timed = _rounds(fns, setups or {}, _Timer(device), warmup, rounds, after=after, record_errors=True)
+    return {name: r if "error" in r else {**_spread(r["samples_ms"]), **r} for name, r in timed.items()}
+
+
+def _spread(samples_ms: list[float]) -> dict:
+    return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms), "max_ms": max(samples_ms),
+            "n": len(samples_ms)}
+
+
+def _rounds(fns: dict, setups: dict, timer: _Timer, warmup: int, rounds: int,
+            after: Callable[[str], None] | None = None, record_errors: bool = False) -> dict[str, dict]:
+    """``warmup + rounds`` rounds of one call per function, round ``i`` starting at function ``i mod
+    len(fns)``; returns per name ``samples_ms`` and ``warmup_ms``, or ``error`` once it raised."""
+    names = list(fns)
+    out: dict[str, dict] = {name: {"samples_ms": [], "warmup_ms": []} for name in names}
+    for it in range(warmup + rounds):
+        k = it % len(names)
+        for name in names[k:] + names[:k]:
+            if "error" in out[name]:
+                continue
+            setup = setups.get(name) or (lambda: None)
+            try:
+                ms = timer(fns[name], setup())
+            except Exception as err:  # recorded for the result, so one failing variant cannot end the run
+                if not record_errors:
+                    raise
+                out[name] = {"error": f"{type(err).__name__}: {err}"}
+                continue
+            out[name]["warmup_ms" if it < warmup else "samples_ms"].append(ms)
+            if it >= warmup and after is not None:
+                after(name)
+    return out
 
 
 def test_gate(pytest_args: Sequence[str], *, skip: bool = False) -> dict:
@@ -149,14 +190,16 @@ def test_gate(pytest_args: Sequence[str], *, skip: bool = False) -> dict:
 
 
 def parse_args(description: str, argv: Sequence[str] | None = None,
-               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+               extra: Callable[[argparse.ArgumentParser], None] | None = None, *, iters: int = MIN_ITERS,
+               warmup: int = 3) -> argparse.Namespace:
     """The flags every benchmark takes: ``--out``, ``--skip-gate``, ``--iters``, ``--warmup``,
-    ``--device``, ``--smoke`` (tiny sizes, to check a script end to end on CPU)."""
+    ``--device``, ``--smoke`` (tiny sizes, to check a script end to end on CPU). ``iters`` and
+    ``warmup`` are the defaults of those two flags."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, required=True, help="result JSON path")
     parser.add_argument("--skip-gate", action="store_true", help="do not run the CPU test gate (record that)")
-    parser.add_argument("--iters", type=int, default=MIN_ITERS, help=f"timed iterations (>= {MIN_ITERS})")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=iters, help=f"timed iterations (default {iters})")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed warm-up iterations (default {warmup})")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script, measures nothing")
     if extra is not None:

@@ -4,7 +4,8 @@
 ``<name>.png`` next to each JSON (or into ``--out-dir``). Conditioning results give a bar chart of
 speedups (diffusers time / flowlock time, forward and backward, idle and queued) per op and shape and a line chart
 of speedup against S; block results give strict/provider time ratios and peak memory per S;
-linear results give throughput relative to cuBLAS per shape; attention results TFLOP/s against S.
+linear results give throughput relative to cuBLAS per shape; attention results TFLOP/s against S;
+model results give seconds per variant, strict / stock ratios and peak memory against S.
 """
 
 from __future__ import annotations
@@ -147,8 +148,52 @@ def plot_attention(payload: dict, path: Path) -> Path:
     return _save(fig, path, 110)
 
 
+def plot_model(payload: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = payload["rows"]
+    fig, (ax_t, ax_r, ax_m) = plt.subplots(1, 3, figsize=(15, 4.5))
+
+    def series(measure: str, key: str) -> tuple[list[int], list[float]]:
+        # a variant that failed or was not run has None: its point is left out
+        points = sorted((r["S"], r[key]) for r in rows if r["measure"] == measure and r.get(key) is not None)
+        return [p[0] for p in points], [p[1] for p in points]
+
+    for measure, style in (("step", "-"), ("forward", "--")):
+        for i, variant in enumerate(("strict_eager", "strict_compiled", "stock_eager", "stock_compiled")):
+            xs, ys = series(measure, f"{variant}_s")
+            if xs:
+                ax_t.plot(xs, ys, marker="o", linestyle=style, color=f"C{i}", label=f"{variant} {measure}")
+        for i, key in enumerate(("strict_over_stock_compiled", "strict_over_stock_eager")):
+            xs, ys = series(measure, key)
+            if xs:
+                ax_r.plot(xs, ys, marker="o", linestyle=style, color=f"C{i + 4}",
+                          label=f"{key.replace('strict_over_', 'strict / ').replace('_', ' ')} {measure}")
+    ax_t.set_xscale("log")
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("seconds (median)")
+    ax_r.axhline(1.0, color="black", linewidth=0.8)
+    ax_r.axhline(0.9, color="black", linestyle=":", linewidth=0.8)
+    ax_r.set_xscale("log")
+    ax_r.set_ylabel("time, strict (faster of eager / compiled) / stock")
+    for i, key in enumerate(("strict_peak_gib", "stock_peak_gib")):
+        xs, ys = series("step", key)
+        if xs:
+            ax_m.plot(xs, ys, marker="o", color=f"C{i}", label=key.replace("_peak_gib", " step"))
+    ax_m.set_xscale("log")
+    ax_m.set_ylabel("peak memory (GiB)")
+    seqs = sorted({r["S"] for r in rows})
+    for ax in (ax_t, ax_r, ax_m):
+        ax.set_xticks(seqs, [str(s) for s in seqs])
+        ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+        ax.set_xlabel("S (rows)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(_title(payload), fontsize=9)
+    return _save(fig, path, 120)
+
+
 PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block, "linear": plot_linear,
-            "attention": plot_attention}
+            "attention": plot_attention, "model": plot_model}
 
 
 def _kind(payload: dict) -> str | None:

@@ -41,6 +41,29 @@ def test_time_pair_needs_twenty_iterations():
         harness.time_pair(lambda s: None, lambda s: None, device=torch.device("cpu"), iters=5)
 
 
+def test_time_rounds_rotates_records_failures_and_calls_after():
+    calls, after = [], []
+
+    def fn(tag):
+        def run(state):
+            calls.append((tag, state))
+            if tag == "c" and len(calls) > 3:
+                raise RuntimeError("recompile limit")
+        return run
+
+    setups = {k: (lambda k=k: k.upper()) for k in "abc"}
+    result = harness.time_rounds({k: fn(k) for k in "abc"}, device=torch.device("cpu"), setups=setups, rounds=3,
+                                 warmup=1, after=after.append)
+    assert [t for t, _ in calls[:3]] == ["a", "b", "c"] and [t for t, _ in calls[3:5]] == ["b", "c"]
+    assert all(state == tag.upper() for tag, state in calls)
+    assert result["c"] == {"error": "RuntimeError: recompile limit"}
+    for key in "ab":
+        r = result[key]
+        assert r["n"] == 3 and len(r["warmup_ms"]) == 1 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+    # round 1 starts at b, round 2 at c (dropped), round 3 at a again
+    assert [t for t, _ in calls[5:]] == ["a", "a", "b", "a", "b"] and after == ["b", "a", "a", "b", "a", "b"]
+
+
 def test_gate_refuses_failing_tests(tmp_path):
     red = tmp_path / "test_red.py"
     red.write_text("def test_red():\n    assert False\n")

@@ -1,10 +1,12 @@
 """The generic reversible patch machinery: exact names, atomic apply, restore by identity."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from flowlock.patching import PatchEntry, PatchHandle, apply_plan
+from flowlock.patching import REPLACEMENT_MARK, PatchEntry, PatchHandle, apply_plan
 
 
 def _model():
@@ -54,3 +56,17 @@ def test_instance_attribute_restored_by_identity_and_double_patch_refused():
     with pytest.raises(RuntimeError, match="already removed"):
         handle.remove()
     apply_plan(model, [PatchEntry("3", "forward", _marker)], PatchHandle("strict")).remove()
+
+
+def test_a_marked_replacement_no_handle_owns_is_refused():
+    def replacement(*args):
+        return "patched"
+
+    setattr(replacement, REPLACEMENT_MARK, True)
+    model = _model()
+    apply_plan(model, [PatchEntry("4", "forward", replacement)], PatchHandle("strict"))
+    clone = copy.deepcopy(model)  # holds the replacement, registered with no handle
+    with pytest.raises(RuntimeError, match="copy of a patched model"):
+        apply_plan(clone, [PatchEntry("4", "forward", _marker)], PatchHandle("strict"))
+    assert clone[4].__dict__["forward"] is replacement
+    apply_plan(clone, [PatchEntry("5", "forward", _marker)], PatchHandle("strict")).remove()

@@ -1,10 +1,13 @@
-"""``flowlock`` command line: demo, check, trace, bench.
+"""``flowlock`` command line: demo, check, trace, bench, convert.
 
 ``flowlock demo``   the conditioning-chain table (strict and provider: invariance, repeatability
                     per stage) and the RL rollout/replay consistency run side by side.
 ``flowlock check``  the validation suites; exit status 1 on any failure.
 ``flowlock trace``  first divergence between a sample alone and inside a batch, strict and provider.
-``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate).
+``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate);
+                    flags after the names go to the scripts.
+``flowlock convert`` a diffusers H3 checkpoint directory to vLLM-Omni native names or back
+                    (:mod:`flowlock.checkpoint`); exit status 1 with the reason on refused input.
 
 Nothing is imported or computed at import time beyond argument parsing; ``main(argv)`` returns the
 exit status.
@@ -18,7 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("conditioning", "block", "linear", "attention")
+BENCHMARKS = ("conditioning", "block", "linear", "attention", "model")
+# Run only when named: the full-depth model needs a whole H200 and several device calls.
+NAMED_ONLY = ("model",)
 
 
 def _device(name: str):
@@ -150,8 +155,8 @@ def _plot_demo(payload: dict, path: Path) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from flowlock.models.minimax_h3.layout import layout_for_length
-    from flowlock.rl.consistency import run_consistency
     from flowlock.validate.chain import chain_replay
+    from flowlock.validate.consistency import run_consistency
 
     device = _device(args.device)
     model, origin = _load_model(args.model, device, args.width, args.layers)
@@ -263,7 +268,7 @@ def _suite_trace(model) -> dict:
 
 
 def _suite_consistency(model) -> dict:
-    from flowlock.rl.consistency import run_consistency
+    from flowlock.validate.consistency import run_consistency
 
     strict = run_consistency(model, n_samples=3, steps=2, mode="strict")
     return {"passed": strict["bitwise_equal"], "max_abs_dlogp": strict["max_abs_dlogp"]}
@@ -273,6 +278,8 @@ SUITES = (("chain", _suite_chain), ("trace_strict", _suite_trace), ("rl_consiste
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if getattr(args, "layout", None):
+        return _check_layout(args)
     device = _device(args.device)
     model, origin = _load_model(None, device)
     print(f"flowlock check: {origin} on {device}")
@@ -290,6 +297,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if all(r["passed"] for r in results.values()) else 1
 
 
+def _check_layout(args: argparse.Namespace) -> int:
+    from flowlock.validate.layout import check_layout
+
+    try:
+        report = check_layout(args.layout)
+    except ValueError as err:
+        print(f"flowlock check: {err}", file=sys.stderr)
+        return 2
+    print(f"flowlock check --layout {report['layout']}: {'PASS' if report['passed'] else 'FAIL'} "
+          f"({report['world']} gloo ranks, {report['wall_s']} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["passed"] else 1
+
+
 def _repo_root() -> Path:
     """The source checkout holding ``benchmarks/`` (flowlock is installed editable from it)."""
     import flowlock
@@ -299,7 +321,8 @@ def _repo_root() -> Path:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     root = _repo_root()
-    names = args.names or [n for n in BENCHMARKS if (root / "benchmarks" / f"bench_{n}.py").exists()]
+    names = args.names or [n for n in BENCHMARKS
+                           if n not in NAMED_ONLY and (root / "benchmarks" / f"bench_{n}.py").exists()]
     failed = []
     for name in names:
         script = root / "benchmarks" / f"bench_{name}.py"
@@ -308,7 +331,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             failed.append(name)
             continue
         out = Path(args.out_dir) / f"{name}.json" if args.out_dir else root / "benchmarks" / "results" / f"{name}.json"
-        cmd = [sys.executable, str(script), "--out", str(out)] + ["--skip-gate"] * args.skip_gate
+        cmd = [sys.executable, str(script), "--out", str(out)] + ["--skip-gate"] * args.skip_gate + args.script_args
         if args.smoke:
             usage = subprocess.run([sys.executable, str(script), "--help"], cwd=root, capture_output=True, text=True)
             if "--smoke" not in usage.stdout:
@@ -324,6 +347,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if failed:
         print(f"flowlock bench: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from flowlock.checkpoint import CheckpointError, convert_directory
+
+    try:
+        report = convert_directory(args.src, args.dst, to=args.to, qkv_layout=args.qkv_layout, verify=args.verify,
+                                   progress=True)
+    except (CheckpointError, OSError) as err:
+        print(f"flowlock convert: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {report.dst}: {report.tensors} {report.to} tensors in {report.shards} shards "
+          f"({report.bytes} bytes), native q/k/v layout {report.qkv_layout}"
+          + ("; verified against its manifest" if report.verified else ""))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,16 +385,33 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
         p.add_argument("--json", default=None)
         p.set_defaults(func=func)
+    sub.choices["check"].add_argument("--layout", default=None, help="instead: the layout suite on gloo "
+                                      "subprocesses (ulysses=2, ulysses=4, dp=2,ulysses=2)")
     bench = sub.add_parser("bench", help="run benchmark scripts (each gated by its CPU tests)")
     bench.add_argument("names", nargs="*", metavar="NAME",
-                       help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)})")
+                       help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)} but "
+                            f"{', '.join(NAMED_ONLY)}); flags after the names go to the scripts "
+                            "(e.g. bench model --seq 925 --measures step)")
     bench.add_argument("--out-dir", default=None)
     bench.add_argument("--skip-gate", action="store_true")
     bench.add_argument("--smoke", action="store_true")
     bench.set_defaults(func=cmd_bench)
+    convert = sub.add_parser("convert", help="diffusers <-> vLLM-Omni native H3 checkpoint directory")
+    convert.add_argument("src", metavar="SRC")
+    convert.add_argument("dst", metavar="DST", help="a new directory (never overwritten)")
+    convert.add_argument("--to", choices=("native", "diffusers"), required=True)
+    convert.add_argument("--qkv-layout", choices=("stacked", "interleaved"), default=None,
+                         help="native fused q/k/v rows: written with --to native (default interleaved, the official "
+                              "shards' layout); read with --to diffusers, needed when SRC does not record it")
+    convert.add_argument("--verify", action="store_true", help="re-read DST and check it against its manifest")
+    convert.set_defaults(func=cmd_convert)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, script_args = parser.parse_known_args(argv)
+    if script_args and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(script_args)}")
+    args.script_args = script_args
     return args.func(args)

@@ -6,7 +6,8 @@ checked against their type: never by substring. Applying a plan records what eac
 instance* (including a pre-existing instance-level ``forward``) and :meth:`PatchHandle.remove`
 puts back exactly that, by identity, and verifies it. Only plain attributes are patched, never
 parameters, buffers or submodules, so ``state_dict`` is untouched. A module can be patched by one
-handle at a time.
+handle at a time. A replacement carries :data:`REPLACEMENT_MARK`, so a module holding one that no
+handle owns (a ``copy.deepcopy`` of a patched model, which stays patched) is refused as well.
 
 :func:`patch` is the public entry: it picks the plan for the model's class (MiniMax-H3 today).
 """
@@ -21,6 +22,9 @@ from torch import nn
 from flowlock.modes import Fallback
 
 _MISSING = object()
+
+# Set (true) on every replacement function; read through a bound method's attribute lookup.
+REPLACEMENT_MARK = "__flowlock_replacement__"
 
 # Modules currently patched -> the handle that patched them.
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -125,6 +129,9 @@ def apply_plan(root: nn.Module, plan: list[PatchEntry], handle: PatchHandle) -> 
         if target in _ACTIVE:
             raise RuntimeError(f"{entry.module or '<root>'} is already patched by flowlock; remove() that patch "
                                "first")
+        if getattr(target.__dict__.get(entry.attribute), REPLACEMENT_MARK, False):
+            raise RuntimeError(f"{_label(entry)} is already patched by flowlock through a copy of a patched model "
+                               "(a deep copy keeps its patch for life; use flowlock.mode('provider') for stock)")
         name = entry.attribute
         if name in target._parameters or name in target._buffers or name in target._modules:
             raise TypeError(f"{_label(entry)} is a parameter, buffer or submodule; plans patch plain attributes")

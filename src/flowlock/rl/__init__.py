@@ -1,6 +1,7 @@
 """RL pieces for exactly on-policy flow-matching RL: sigma grids, keyed noise, transitions with
-log-probs, deterministic per-sample means, GRPO / DiffusionNFT losses, trajectory artifacts and the
-rollout/replay consistency run. Importing this package has no side effects."""
+log-probs, deterministic per-sample means, GRPO / DiffusionNFT losses and trajectory artifacts. The
+package knows no model: the rollout/replay consistency run that drives H3 through these pieces is
+:mod:`flowlock.validate.consistency`. Importing this package has no side effects."""
 
 from flowlock.rl.losses import NFTLoss, diffusion_nft_loss, flow_grpo_loss, flow_grpo_terms, grpo_advantages
 from flowlock.rl.noise import batch_noise, initial_latents, noise

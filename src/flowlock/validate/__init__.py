@@ -1,4 +1,5 @@
-"""Validation suites: the conditioning-chain replay and the first-divergence trace.
+"""Validation suites: the conditioning-chain replay, the first-divergence trace and the RL
+rollout/replay consistency run.
 
 Each suite returns a JSON-able dict; ``flowlock check`` runs them and fails on any violation.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flowlock.models.minimax_h3.hooks import casts_lora_input, compute_param, leaf_hook_reason
 from flowlock.models.minimax_h3.structure import module_class
 from flowlock.ops.linear import linear
 
@@ -31,6 +32,8 @@ def lora_unsupported_reason(module: nn.Module) -> str | None:
     """Why the strict path cannot compute this LoRA layer, or None when it can."""
     if module_class(module.base_layer) is not nn.Linear:
         return f"LoRA base layer {type(module.base_layer).__name__} is not torch.nn.Linear"
+    if leaf_hook_reason(module.base_layer):
+        return leaf_hook_reason(module.base_layer)
     if getattr(module, "disable_adapters", False):
         # peft unmerges a merged layer inside forward here: a weight mutation the strict path won't make.
         return "adapters disabled" if module.merged else None
@@ -46,6 +49,8 @@ def lora_unsupported_reason(module: nn.Module) -> str | None:
         for part in (module.lora_A[name], module.lora_B[name]):
             if module_class(part) is not nn.Linear or part.bias is not None:
                 return f"adapter {name!r} has a {type(part).__name__} factor with a bias or of another type"
+            if leaf_hook_reason(part):
+                return leaf_hook_reason(part)
     return None
 
 
@@ -55,12 +60,13 @@ def strict_lora_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     Call only when :func:`lora_unsupported_reason` returned None.
     """
     base = module.base_layer
-    result = linear(x, base.weight, base.bias)
+    result = linear(x, compute_param(base, "weight"), compute_param(base, "bias"))
     if module.merged or getattr(module, "disable_adapters", False):
         return result
     out_dtype = result.dtype
     for name in _active(module):
-        a, b = module.lora_A[name], module.lora_B[name]
-        x = x.to(a.weight.dtype)
-        result = result + linear(linear(x, a.weight), b.weight) * module.scaling[name]
+        a, b = compute_param(module.lora_A[name], "weight"), compute_param(module.lora_B[name], "weight")
+        if casts_lora_input(module):
+            x = x.to(a.dtype)
+        result = result + linear(linear(x, a), b) * module.scaling[name]
     return result.to(out_dtype)

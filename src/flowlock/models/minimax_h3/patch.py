@@ -19,6 +19,7 @@ import functools
 import inspect
 import types
 
+from flowlock.models.minimax_h3.context_parallel import unsupported_reason as context_parallel_unsupported
 from flowlock.models.minimax_h3.strict import (
     STRICT_MARK,
     Run,
@@ -30,7 +31,7 @@ from flowlock.models.minimax_h3.strict import (
     time_embedder_forward,
 )
 from flowlock.modes import current_mode, fallback_or_raise, mode
-from flowlock.patching import patch  # re-exported: the H3 entry point is flowlock.patch itself
+from flowlock.patching import REPLACEMENT_MARK, patch  # patch: the H3 entry point is flowlock.patch itself
 
 __all__ = ["make_patched_forward", "patch"]
 
@@ -41,7 +42,8 @@ def make_patched_forward(module, original, handle, strict_call):
     ``strict_call(self, arguments, stock)`` computes the strict output from the bound arguments
     (a name -> value dict) or returns ``stock``'s. Bound rather than a closure over ``module`` so
     that ``copy.deepcopy`` of a patched model (RL frameworks copy the policy to make a reference
-    model) rebinds it to the copy, which then runs the strict path on its own weights.
+    model) rebinds it to the copy, which then runs the strict path on its own weights (in this
+    handle's mode; no handle owns the copy's patch, so it keeps it and ``flowlock.patch`` refuses it).
     ``original`` is the forward read when the plan was built; when it is the class's own forward it
     is looked up on the class at call time, for the same reason.
     """
@@ -51,7 +53,8 @@ def make_patched_forward(module, original, handle, strict_call):
 
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
-        stock = instance_forward or type(self).forward.__get__(self)
+        # A partial, not type(self).forward.__get__(self): torch 2.11's dynamo cannot trace __get__.
+        stock = instance_forward or functools.partial(type(self).forward, self)
         if current_mode() == "provider":
             return stock(*args, **kwargs)
         arguments = dict(signature.bind(self, *args, **kwargs).arguments)
@@ -65,6 +68,7 @@ def make_patched_forward(module, original, handle, strict_call):
         return out
 
     setattr(forward, STRICT_MARK, True)
+    setattr(forward, REPLACEMENT_MARK, True)
     return types.MethodType(forward, module)
 
 
@@ -77,6 +81,10 @@ def strict_model_call(model, arguments, stock):
     if attention_kwargs and attention_kwargs.get("scale", 1.0) != 1.0:
         # diffusers rescales every LoRA layer in place for the call; the strict path does not mutate weights.
         fallback_or_raise("minimax_h3 forward", "a LoRA scale in attention_kwargs is not on the strict path")
+        return stock()
+    reason = context_parallel_unsupported(model)
+    if reason is not None:
+        fallback_or_raise("minimax_h3 context parallelism", reason)
         return stock()
     return strict_forward(model, **arguments)
 

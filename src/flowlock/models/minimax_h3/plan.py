@@ -6,7 +6,8 @@ calls through ``__call__`` (transformer and refiner blocks, ``norm_out``, the re
 strict forward from :mod:`flowlock.models.minimax_h3.patch`. Slots whose module may legitimately
 be another type (a peft LoRA layer in a Linear slot) carry no type; strict mode decides per call.
 Nothing else changes: parameters, buffers, the FP32 modules and the module tree stay as they are,
-so ``state_dict`` is identical while patched.
+so ``state_dict`` is identical while patched. A module whose forward is already wrapped by a diffusers
+or accelerate hook is refused (:mod:`flowlock.models.minimax_h3.hooks`): hooks go on after patching.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
     MiniMaxH3TransformerBlock,
 )
 
+from flowlock.models.minimax_h3.context_parallel import check_layout as check_context_parallel_layout
+from flowlock.models.minimax_h3.hooks import target_hooks
 from flowlock.models.minimax_h3.patch import (
     make_patched_forward,
     strict_block_call,
@@ -28,15 +31,20 @@ from flowlock.models.minimax_h3.patch import (
     strict_rms_norm_call,
     strict_time_embedder_call,
 )
+from flowlock.modes import StrictModeError
 from flowlock.patching import PatchEntry, PatchHandle
 
 
 def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[PatchEntry]:
     """The entries that route ``model`` through the strict path under ``handle.mode``.
 
-    Each original forward is read now, so a pre-existing instance-level ``forward`` (another
-    wrapper) is what provider mode calls and what ``remove()`` restores.
+    Raises ValueError for a context-parallel layout no mode can run (a Ulysses degree that does not
+    divide the heads), before anything is patched. Each original forward is read now, so a
+    pre-existing instance-level ``forward`` (another wrapper) is what provider mode calls and what
+    ``remove()`` restores. Raises StrictModeError naming the module and its hooks when a target's
+    forward is wrapped by a diffusers or accelerate hook.
     """
+    check_context_parallel_layout(model)
     targets = [("", model, MiniMaxH3Transformer3DModel, strict_model_call)]
     targets += [(f"token_refiner.refiner_blocks.{i}", block, MiniMaxH3TokenRefinerBlock, strict_refiner_block_call)
                 for i, block in enumerate(model.token_refiner.refiner_blocks)]
@@ -47,5 +55,11 @@ def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[
     targets.append(("time_embedder", model.time_embedder, None, strict_time_embedder_call))
     targets += [(name, model.get_submodule(name), None, strict_linear_call)
                 for name in ("proj_in", "audio_proj_in", "context_embedder", "proj_out", "audio_proj_out")]
+    for name, module, _, _ in targets:
+        if target_hooks(module):
+            # Replacing the wrapped forward would drop the hook (an onload, a cast, a device move).
+            raise StrictModeError(f"{name or '<root>'} carries hook {', '.join(target_hooks(module))}: call "
+                                  "flowlock.patch before enabling diffusers hooks (enable_layerwise_casting, "
+                                  "enable_group_offload, enable_model_cpu_offload), which then wrap the strict path")
     return [PatchEntry(name, "forward", make_patched_forward(module, module.forward, handle, call), kind)
             for name, module, kind, call in targets]

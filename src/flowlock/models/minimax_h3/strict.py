@@ -50,6 +50,8 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 )
 from torch import nn
 
+from flowlock.models.minimax_h3.context_parallel import sequence_plan
+from flowlock.models.minimax_h3.hooks import compute_param, leaf_hook_reason
 from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
 from flowlock.models.minimax_h3.structure import module_class, validate_structure
 from flowlock.modes import fallback_or_raise
@@ -64,6 +66,7 @@ from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
 from flowlock.ops.rows import gather_rows, scatter_rows
 from flowlock.ops.swiglu import swiglu
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
+from flowlock.parallel import UlyssesSequence
 
 # Column order of the (3T, 6H) AdaLN table (diffusers' chunk order).
 SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP = range(6)
@@ -86,20 +89,22 @@ def _dropout_is_identity(module: nn.Module) -> bool:
                                                and (module.p == 0.0 or not module.training))
 
 
-def _linear_reason(module: nn.Module) -> str | None:
+def _linear_reason(module: nn.Module, called: bool = False) -> str | None:
+    # A module the strict path calls runs the hooks that wrap it; one it only reads must have none it can't serve.
+    hooks = None if called else leaf_hook_reason(module)
     if module_class(module) is nn.Linear:
-        return None
+        return hooks
     if is_peft_lora(module):
-        return lora_unsupported_reason(module)
+        return hooks or lora_unsupported_reason(module)
     return f"{type(module).__name__} is neither torch.nn.Linear nor a peft LoRA Linear"
 
 
-def _rms_norm_reason(module: nn.Module) -> str | None:
+def _rms_norm_reason(module: nn.Module, called: bool = False) -> str | None:
     if module_class(module) is not nn.RMSNorm:
         return f"{type(module).__name__} is not torch.nn.RMSNorm"
     if module.weight is None or module.eps is None:
         return "RMSNorm without an affine weight or an explicit eps"
-    return None
+    return None if called else leaf_hook_reason(module)
 
 
 class Run:
@@ -111,24 +116,28 @@ class Run:
     gradient-checkpointing recomputation, so a recomputed block makes the same decisions.
     """
 
-    def __init__(self, check_indices: bool, root: nn.Module):
+    def __init__(self, check_indices: bool, root: nn.Module, sequence: UlyssesSequence | None = None):
         self.fallback: set[int] = set()
         self.check_indices = check_indices
+        self.sequence = sequence
         self._root = root
         self._names: dict[int, str] | None = None
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> Run:
-        """Decisions for a whole-model forward whose structural inputs were validated."""
-        run = cls(check_indices=False, root=model)
+    def for_model(cls, model: nn.Module, sequence: UlyssesSequence | None = None) -> Run:
+        """Decisions for a whole-model forward whose structural inputs were validated; ``sequence``:
+        its Ulysses shards under diffusers context parallelism."""
+        run = cls(check_indices=False, root=model, sequence=sequence)
         for block in model.token_refiner.refiner_blocks:
             run._check_refiner_block(block)
-        run._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm))
+        run._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm, called=True))
         for block in model.transformer_blocks:
             run._check_block(block)
         for module in (model.proj_in, model.audio_proj_in, model.context_embedder, model.proj_out,
                        model.audio_proj_out):
-            run._check(module, _linear_reason(module))
+            run._check(module, _linear_reason(module, called=_is_strict(module)))
+        # The rope tables are computed from its inv_freq buffer without calling it.
+        run._check(model.rope, leaf_hook_reason(model.rope))
         run._check_norm_out(model.norm_out)
         run._check_time_embedder(model.time_embedder)
         return run
@@ -146,9 +155,9 @@ class Run:
         elif isinstance(module, TimestepEmbedding):
             run._check_time_embedder(module)
         elif isinstance(module, nn.RMSNorm):
-            run._check(module, _rms_norm_reason(module))
+            run._check(module, _rms_norm_reason(module, called=True))
         else:
-            run._check(module, _linear_reason(module))
+            run._check(module, _linear_reason(module, called=True))
         return run
 
     def _check_time_embedder(self, embedder: nn.Module) -> None:
@@ -156,6 +165,9 @@ class Run:
         if (kinds != [TimestepEmbedding, nn.Linear, nn.Linear, nn.SiLU] or embedder.cond_proj is not None
                 or embedder.post_act is not None):
             self._check(embedder, "time_embedder is not linear_1 -> SiLU -> linear_2")
+            return
+        for linear_ in (embedder.linear_1, embedder.linear_2):
+            self._check(linear_, leaf_hook_reason(linear_), fallback=embedder)
 
     def _check_refiner_block(self, block: nn.Module) -> None:
         self._check_attention(block.attn)
@@ -166,14 +178,17 @@ class Run:
     def _check_block(self, block: nn.Module) -> None:
         self._check_refiner_block(block)
         proj = block.adaln_proj.linear
-        reason = None if module_class(proj) is nn.Linear else ("the AdaLN projection must be torch.nn.Linear "
-                                                                "(its table is built by adaln_table)")
+        reason = leaf_hook_reason(proj) if module_class(proj) is nn.Linear else (
+            "the AdaLN projection must be torch.nn.Linear (its table is built by adaln_table)")
         self._check(proj, reason, fallback=block)
 
     def _check_norm_out(self, norm_out: nn.Module) -> None:
         if module_class(norm_out.norm) is not nn.RMSNorm or module_class(norm_out.linear) is not nn.Linear:
             # final_adaln_out fuses the norm and its projection, so neither can be swapped alone.
             self._check(norm_out, "norm_out.norm / norm_out.linear must be RMSNorm / Linear")
+            return
+        for leaf in (norm_out.norm, norm_out.linear):
+            self._check(leaf, leaf_hook_reason(leaf), fallback=norm_out)
 
     def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None):
         if reason is None:
@@ -191,8 +206,8 @@ class Run:
             self._check(attn, f"attention processor {type(processor).__name__} is not diffusers' "
                         "MiniMaxH3AttnProcessor")
             return
-        if processor._parallel_config is not None:
-            self._check(attn, "context-parallel attention is not on the strict path")
+        if processor._parallel_config is not None and self.sequence is None:
+            self._check(attn, "context-parallel attention is on the strict path only inside the model's forward")
             return
         if not _dropout_is_identity(attn.to_out[1]):
             self._check(attn, "attention output dropout is active")
@@ -214,23 +229,31 @@ class Run:
             self._check(module, _linear_reason(module))
 
     def runs_own(self, module: nn.Module) -> bool:
-        return id(module) in self.fallback
+        # An empty set (always so in strict mode) answers without id(module): torch.compile guards on
+        # the id of what it hashes, which would compile each block instance as a graph of its own.
+        return bool(self.fallback) and id(module) in self.fallback
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runs_own(module):
             return module(x)
         if module_class(module) is nn.Linear:
-            return linear(x, module.weight, module.bias)
+            return linear(x, compute_param(module, "weight"), compute_param(module, "bias"))
         return strict_lora_linear(module, x)
 
     def rms_norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runs_own(module):
             return module(x)
-        return rms_norm(x, module.weight, module.eps)
+        return rms_norm(x, compute_param(module, "weight"), module.eps)
 
-    def attention(self, attn: nn.Module, x: torch.Tensor,
-                  rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """``MiniMaxH3AttnProcessor``: (B, S, hidden) bf16 -> (B, S, hidden) bf16."""
+    def attention(self, attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                  sharded_rows: bool) -> torch.Tensor:
+        """``MiniMaxH3AttnProcessor``: (B, S, hidden) bf16 -> (B, S, hidden) bf16.
+
+        ``sharded_rows``: ``x`` holds this rank's rows of a sequence split by context parallelism
+        (the transformer blocks), so the attention exchanges rows for heads; the token refiner's rows
+        are replicated on every rank and its attention stays local. Decided by the caller, not by the
+        module's identity, so torch.compile keeps one graph per block class.
+        """
         if self.runs_own(attn):
             return attn(x, rope)
         if getattr(attn, "fused_projections", False):
@@ -242,7 +265,10 @@ class Run:
             q, k = self.rms_norm(attn.norm_q, q), self.rms_norm(attn.norm_k, k)
         else:
             q, k = (self._qk_norm_rope(norm, t, rope) for norm, t in ((attn.norm_q, q), (attn.norm_k, k)))
-        out = attention(q, k, v)
+        if sharded_rows and self.sequence is not None:
+            out = self.sequence.attention(attention, q, k, v)
+        else:
+            out = attention(q, k, v)
         return self.linear(attn.to_out[0], out.flatten(2, 3))
 
     def _fused_qkv(self, to_qkv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -252,8 +278,9 @@ class Run:
             # and gradients are bitwise those of the separate projections. One fused GEMM would
             # give the same forward but reduce dX over all 3·inner columns at once, which rounds
             # differently from autograd's sum of three dX partials.
-            biases = to_qkv.bias.chunk(3) if to_qkv.bias is not None else (None, None, None)
-            return tuple(linear(x, w, b) for w, b in zip(to_qkv.weight.chunk(3), biases))
+            weight, bias = compute_param(to_qkv, "weight"), compute_param(to_qkv, "bias")
+            biases = bias.chunk(3) if bias is not None else (None, None, None)
+            return tuple(linear(x, w, b) for w, b in zip(weight.chunk(3), biases))
         q, k, v = self.linear(to_qkv, x).chunk(3, dim=-1)
         return q.contiguous(), k.contiguous(), v
 
@@ -262,7 +289,7 @@ class Run:
             from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
 
             return _apply_rotary_emb(norm(x), *rope)
-        return qk_norm_rope(x, norm.weight, rope[0], rope[1], norm.eps)
+        return qk_norm_rope(x, compute_param(norm, "weight"), rope[0], rope[1], norm.eps)
 
     def feed_forward(self, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runs_own(ff):
@@ -281,11 +308,21 @@ def active_run() -> Run | None:
     return getattr(_ACTIVE, "run", None)
 
 
+def _is_strict(module: nn.Module) -> bool:
+    return getattr(module.forward, STRICT_MARK, False)
+
+
+def _call_linear(run: Run, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # diffusers' load_lora_adapter / add_adapter after patching put a peft layer into the slot (the
+    # patched Linear is its base layer): it has no strict forward, so the strict path reads it instead.
+    return call_with_run(run, module, x) if _is_strict(module) else run.linear(module, x)
+
+
 def call_with_run(run: Run, module: nn.Module, *args):
     """Call the patched ``module`` through ``__call__``, so its hooks run (FSDP2 unshards a unit's
     parameters there: blocks, and the FP32 modules that must be units of their own because FSDP2
     wants one dtype per unit), with ``run`` as the active decisions."""
-    if not getattr(module.forward, STRICT_MARK, False):
+    if not _is_strict(module):
         raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: call the strict forward through "
                            "flowlock.patch(model), which routes the blocks and other submodules too")
     previous = active_run()
@@ -299,7 +336,7 @@ def call_with_run(run: Run, module: nn.Module, *args):
 def refiner_block_forward(run: Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``MiniMaxH3TokenRefinerBlock.forward`` on flowlock ops: (B, Nt, hidden) bf16 -> same."""
     # A plain bf16 add is bitwise what eager does, and elementwise, so it is batch-invariant.
-    x = x + run.attention(block.attn, run.rms_norm(block.norm1, x), None)
+    x = x + run.attention(block.attn, run.rms_norm(block.norm1, x), None, sharded_rows=False)
     return x + run.feed_forward(block.ff, run.rms_norm(block.norm2, x))
 
 
@@ -308,12 +345,12 @@ def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tenso
     """``MiniMaxH3TransformerBlock.forward`` on flowlock ops: x (B, S, hidden) bf16, temb (T, E) fp32,
     adaln_indices (S,) in [0, 3T), rotary_emb (cos, sin) (S, R) fp32 -> (B, S, hidden) bf16."""
     proj = block.adaln_proj.linear
-    table = adaln_table(temb, proj.weight, proj.bias)
+    table = adaln_table(temb, compute_param(proj, "weight"), compute_param(proj, "bias"))
     hidden = x.shape[-1]
     chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
     check = run.check_indices
     normed = _modulate(run, block.norm1, x, chunk[SHIFT_MSA], chunk[SCALE_MSA], adaln_indices)
-    attn_out = run.attention(block.attn, normed, rotary_emb)
+    attn_out = run.attention(block.attn, normed, rotary_emb, sharded_rows=True)
     x = gate_residual(x, chunk[GATE_MSA], attn_out, adaln_indices, check_indices=check)
     normed = _modulate(run, block.norm2, x, chunk[SHIFT_MLP], chunk[SCALE_MLP], adaln_indices)
     ff_out = run.feed_forward(block.ff, normed)
@@ -323,14 +360,16 @@ def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tenso
 def norm_out_forward(run: Run, norm_out: nn.Module, x: torch.Tensor, temb: torch.Tensor,
                      timestep_indices: torch.Tensor) -> torch.Tensor:
     """``MiniMaxH3AdaLayerNormOut.forward`` on ``final_adaln_out``: (B, S, hidden) bf16 -> same."""
-    return final_adaln_out(x, temb, norm_out.norm.weight, norm_out.linear.weight, norm_out.linear.bias,
-                           timestep_indices, norm_out.norm.eps, check_indices=run.check_indices)
+    norm, proj = norm_out.norm, norm_out.linear
+    return final_adaln_out(x, temb, compute_param(norm, "weight"), compute_param(proj, "weight"),
+                           compute_param(proj, "bias"), timestep_indices, norm.eps, check_indices=run.check_indices)
 
 
 def _modulate(run: Run, norm: nn.Module, x, shift, scale, index):
     if run.runs_own(norm):
         return norm(x) * (1.0 + scale.to(x.dtype)[index]) + shift.to(x.dtype)[index]
-    return rms_norm_modulate(x, norm.weight, shift, scale, index, norm.eps, check_indices=run.check_indices)
+    return rms_norm_modulate(x, compute_param(norm, "weight"), shift, scale, index, norm.eps,
+                             check_indices=run.check_indices)
 
 
 def _call_block(owner: nn.Module, run: Run, block: nn.Module, *args):
@@ -348,14 +387,15 @@ def _time_embedding(run: Run, model: nn.Module, timestep: torch.Tensor) -> torch
         fallback_or_raise("minimax_h3 time_proj", "timestep_sinusoid serves Timesteps(256, True, 0) only")
         sinusoid = model.time_proj(timestep)
     else:
-        sinusoid = timestep_sinusoid(timestep)
+        # validate_structure checked the range already (in the graph, when compiling).
+        sinusoid = timestep_sinusoid(timestep, check_range=False)
     return call_with_run(run, model.time_embedder, sinusoid)
 
 
 def time_embedder_forward(run: Run, embedder: nn.Module, sample: torch.Tensor) -> torch.Tensor:
     """``TimestepEmbedding.forward`` on ``timestep_mlp``: (T, 256) fp32 -> (T, E) fp32."""
     l1, l2 = embedder.linear_1, embedder.linear_2
-    return timestep_mlp(sample, l1.weight, l1.bias, l2.weight, l2.bias)
+    return timestep_mlp(sample, *(compute_param(m, n) for m in (l1, l2) for n in ("weight", "bias")))
 
 
 def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
@@ -380,15 +420,24 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
         encoder_hidden_states=encoder_hidden_states, timestep=timestep, timestep_indices=timestep_indices,
         token_tags=token_tags, position_ids=position_ids, video_indices=video_indices,
         audio_indices=audio_indices, text_indices=text_indices)
-    run = Run.for_model(model)
+    sequence = sequence_plan(model, [position_ids, timestep_indices, token_tags, video_indices, audio_indices,
+                                     text_indices], hidden_states.shape[0], STRICT_MARK)
+    run = Run.for_model(model, sequence)
 
-    # Seven small launches per forward otherwise; a layout's positions are reused every step.
     inv_freq = model.rope.inv_freq
-    cos, sin = memoized_over([position_ids, inv_freq], "rope_cos_sin", lambda: rope_cos_sin(inv_freq, position_ids))
+    if run.runs_own(model.rope):
+        cos, sin = model.rope(position_ids)
+    elif torch.compiler.is_compiling():
+        # The memo compares storage pointers, which a graph cannot; compiled, the tables are graph nodes.
+        cos, sin = rope_cos_sin(inv_freq, position_ids)
+    else:
+        # Seven small launches per forward otherwise; a layout's positions are reused every step.
+        cos, sin = memoized_over([position_ids, inv_freq], "rope_cos_sin",
+                                 lambda: rope_cos_sin(inv_freq, position_ids))
 
-    video = call_with_run(run, model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
-    audio = call_with_run(run, model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
-    text = call_with_run(run, model.context_embedder,
+    video = _call_linear(run, model.proj_in, hidden_states.to(get_parameter_dtype(model.proj_in)))
+    audio = _call_linear(run, model.audio_proj_in, audio_hidden_states.to(get_parameter_dtype(model.audio_proj_in)))
+    text = _call_linear(run, model.context_embedder,
                          encoder_hidden_states.to(get_parameter_dtype(model.context_embedder)))
     refiner = model.token_refiner
     for block in refiner.refiner_blocks:
@@ -401,15 +450,20 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     temb = _time_embedding(run, model, timestep)
     adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
 
+    if sequence is not None:
+        x, adaln_indices, cos, sin, timestep_indices = (sequence.shard(t, dim) for t, dim in (
+            (x, 1), (adaln_indices, 0), (cos, 0), (sin, 0), (timestep_indices, 0)))
     for block in model.transformer_blocks:
         x = _call_block(model, run, block, x, temb, adaln_indices, (cos, sin))
     x = call_with_run(run, model.norm_out, x, temb, timestep_indices)
+    if sequence is not None:
+        x = sequence.gather(x, 1)
     # diffusers casts to proj_out's dtype for both heads; gathering first moves the same cast.
     head_dtype = get_parameter_dtype(model.proj_out)
     video_rows = gather_rows(x, video_indices, check_indices=False).to(head_dtype)
     audio_rows = gather_rows(x, audio_indices, check_indices=False).to(head_dtype)
-    video_out = call_with_run(run, model.proj_out, video_rows)
-    audio_out = call_with_run(run, model.audio_proj_out, audio_rows)
+    video_out = _call_linear(run, model.proj_out, video_rows)
+    audio_out = _call_linear(run, model.audio_proj_out, audio_rows)
     if not return_dict:
         return (video_out, audio_out)
     return MiniMaxH3TransformerOutput(sample=video_out, audio_sample=audio_out)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flowlock.models.minimax_h3 import tiny_h3
-from flowlock.rl import consistency
-from flowlock.rl.consistency import run_consistency
+from flowlock.validate import consistency
+from flowlock.validate.consistency import run_consistency
 
 
 @pytest.fixture(scope="module")

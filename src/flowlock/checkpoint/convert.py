@@ -1,0 +1,197 @@
+"""``flowlock convert``: a diffusers H3 directory to a native one or back, streamed and atomic.
+
+Guarantees of :func:`convert_directory`:
+
+* fail closed before writing: the source's config, index and shard headers are checked in full
+  (names, shapes, dtypes, q/k/v groups, duplicates, the q/k/v layout, a native ``rope.inv_freq``)
+  and every defect is raised as one :class:`CheckpointError`;
+* bounded memory: entries are taken in the order of the input shard holding their first source
+  (a q/k/v group split across shards is read whole, its other parts fetched from their shards)
+  and packed into output shards no larger than the largest input shard; tensors are read one at a
+  time and a shard's tensors are released once it is written, so at most one shard plus the q/k/v
+  group being fused or split is alive, whatever order the source stores its tensors in;
+* atomic: everything is written into a hidden temporary directory next to DST and renamed onto
+  DST at the very end; any failure (an exception, Ctrl-C) removes it, and a killed process leaves
+  at most that ``.DST.*.partial`` directory, never DST;
+* DST holds the shards, an index (always, even for one shard), config.json and the SHA-256
+  manifest; ``verify`` re-reads all of it (:func:`~flowlock.checkpoint.manifest.verify_directory`)
+  before the rename, so a directory that fails verification is never published.
+
+Native directories use the transformers/vLLM names ``model-0000i-of-0000n.safetensors`` and
+``model.safetensors.index.json``; diffusers ones ``diffusion_pytorch_model-…`` as ``save_pretrained``
+does. Files of SRC other than config, index and shards are not carried.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flowlock.checkpoint.directory import CONFIG, SafetensorsDirectory, header_bytes
+from flowlock.checkpoint.errors import CheckpointError
+from flowlock.checkpoint.geometry import H3Geometry, diffusers_config, native_config, recorded_qkv_layout
+from flowlock.checkpoint.layout import check_qkv_layout
+from flowlock.checkpoint.manifest import verify_directory, write_manifest
+from flowlock.checkpoint.names import Entry
+from flowlock.checkpoint.plan import Plan, Target, convert_entry, plan_conversion, source_kind
+
+_PREFIX = {"native": "model", "diffusers": "diffusion_pytorch_model"}
+# What ``flowlock convert --to native`` writes without --qkv-layout: the layout of the official native
+# shards, the one vLLM-Omni's load_weights de-interleaves under native names.
+DEFAULT_NATIVE_LAYOUT = "interleaved"
+
+WriteShard = Callable[[dict[str, torch.Tensor], Path], None]
+
+
+def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write one output shard (the default :data:`WriteShard`); tensors must be contiguous and unshared."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What :func:`convert_directory` published: ``tensors`` in ``shards`` files, ``bytes`` of tensor data."""
+
+    dst: Path
+    to: Target
+    qkv_layout: str
+    shards: int
+    tensors: int
+    bytes: int
+    verified: bool
+
+
+def resolve_qkv_layout(to: Target, given: str | None, source_config: dict) -> str:
+    """The native q/k/v layout: ``given`` (or the default) when writing native; when reading native, the
+    one the source records, which ``given`` must match, or ``given`` when it records none."""
+    if given is not None:
+        check_qkv_layout(given)
+    if to == "native":
+        return given or DEFAULT_NATIVE_LAYOUT
+    recorded = recorded_qkv_layout(source_config)
+    if recorded is None and given is None:
+        raise CheckpointError("the source's q/k/v layout is not recorded and stacked and interleaved rows cannot be "
+                              "told apart by shape: pass --qkv-layout stacked|interleaved")
+    if recorded is not None and given is not None and recorded != given:
+        raise CheckpointError(f"--qkv-layout {given} contradicts the source's recorded layout {recorded}")
+    return given or recorded
+
+
+def _shard_plan(plan: Plan, source: SafetensorsDirectory) -> list[list[Entry]]:
+    """Entries per output shard: taken in the order of the input shard holding their first source, packed
+    greedily up to the largest input shard's bytes (a shard with no output is dropped)."""
+    position = {name: i for i, name in enumerate(source.files)}
+    limit = max(source.shard_bytes(f) for f in source.files)
+    lead = {e.native: min((position[source.file_of[n]] for n in plan.sources(e)), default=0) for e in plan.entries}
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for entry in sorted(plan.entries, key=lambda e: lead[e.native]):
+        nbytes = sum(header_bytes(source.headers[n]) for n in plan.sources(entry))  # = its outputs' bytes
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return [entries for entries in shards if any(plan.targets(e) for e in entries)]
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    # disable=None: tqdm stays silent when stderr is not a terminal.
+    return tqdm(total=total, unit="tensor", desc="flowlock convert", disable=None if enabled else True)
+
+
+def convert_directory(src: str | Path, dst: str | Path, *, to: Target, qkv_layout: str | None = None,
+                      verify: bool = False, progress: bool = False,
+                      open_source: Callable[[Path], SafetensorsDirectory] = SafetensorsDirectory,
+                      write_shard: WriteShard = save_shard) -> ConversionReport:
+    """Convert the checkpoint directory ``src`` to ``to`` names into the new directory ``dst``.
+
+    ``qkv_layout`` is the native q/k/v layout (see :func:`resolve_qkv_layout`). ``open_source`` and
+    ``write_shard`` are the reading and writing seams (tests count live tensors and inject crashes
+    through them). Guarantees: the module docstring. Raises :class:`CheckpointError` on any input
+    that cannot be converted exactly and when ``dst`` exists.
+    """
+    dst = Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"{dst} exists: flowlock convert writes a new directory and never overwrites")
+    if not dst.parent.is_dir():
+        raise CheckpointError(f"{dst.parent} (the parent of DST) is not a directory")
+    source = open_source(Path(src))
+    try:
+        geometry = H3Geometry.from_config(source.config)
+        if source_kind(source.headers, geometry) == to:
+            raise CheckpointError(f"{src} already holds {to} names; nothing to convert")
+        layout = resolve_qkv_layout(to, qkv_layout, source.config)
+        plan = plan_conversion(source.headers, geometry, to, layout)
+        for entry in plan.entries:
+            if entry.kind == "rope":  # the one value check; done now so it too fails before writing
+                convert_entry(plan, entry, source.load)
+        config = native_config(source.config, layout) if to == "native" else diffusers_config(source.config)
+        shards = _shard_plan(plan, source)
+        return _write(plan, source, shards, config, dst, verify, progress, write_shard)
+    finally:
+        source.close()
+
+
+def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], config: dict, dst: Path,
+           verify: bool, progress: bool, write_shard: WriteShard) -> ConversionReport:
+    prefix = _PREFIX[plan.to]
+    bar = _progress(sum(len(plan.targets(e)) for e in plan.entries), progress)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, entries in enumerate(shards):
+            name = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors: dict[str, torch.Tensor] = {}  # rebinding releases the previous shard before any read
+            for entry in entries:
+                tensors.update(convert_entry(plan, entry, source.load))
+                bar.update(len(plan.targets(entry)))
+            write_shard(tensors, tmp / name)
+            weight_map.update(dict.fromkeys(tensors, name))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        write_manifest(tmp, plan.to, plan.qkv_layout if plan.to == "native" else None)
+        if verify:
+            verify_directory(tmp)
+        _publishable(tmp)
+        if dst.exists():
+            raise CheckpointError(f"{dst} appeared while converting; the result was not published")
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    _fsync_dir(dst.parent)
+    return ConversionReport(dst, plan.to, plan.qkv_layout, len(shards), len(weight_map), total, verify)
+
+
+def _publishable(tmp: Path) -> None:
+    """Ordinary permissions (umask applied): mkdtemp makes the directory owner-only, and DST is meant to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    for path in tmp.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

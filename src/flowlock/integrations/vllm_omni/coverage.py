@@ -1,0 +1,207 @@
+"""What the strict path can compute for a vLLM-Omni ``MiniMaxH3DiTModel``, decided before any op runs.
+
+Served: vLLM's unquantized parallel linears at TP = 1 with H3's biases (patch, condition, time,
+AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's ``RMSNorm``, and dense
+softmax attention whatever dense backend vLLM-Omni resolved (flowlock replaces the backend call,
+so FLASH_ATTN, cuDNN, SDPA and the others give one answer). Not served, each named with its module:
+a quantized linear, a bias where H3 has none (or none where it has one), another layer type (a
+LoRA wrapper), TP > 1, sparse or approximate attention backends (VSA, Sage, RainFusion, TRT-LLM),
+VSA gates, quantized KV, ring / Ulysses sequence parallelism, Cache-DiT and any vLLM-Omni hook
+(TeaCache, offload, SP), whose effect on the arithmetic the strict path cannot vouch for.
+
+Strict mode raises :class:`flowlock.StrictModeError` at the first such module; audit mode records
+it and lets that module run its own forward (for a model-level reason, the whole forward runs
+vLLM-Omni's path, submodules included).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm_omni.diffusion.layers.norm import RMSNorm
+from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
+    MiniMaxH3Attention,
+    MiniMaxH3DiTBlock,
+    MiniMaxH3FinalLayer,
+    MiniMaxH3MLP,
+    MiniMaxH3TimeEmbedder,
+    MiniMaxH3TokenRefiner,
+    MiniMaxH3TokenRefinerBlock,
+)
+
+from flowlock.modes import fallback_or_raise
+
+LINEAR_CLASSES = (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear, MergedColumnParallelLinear)
+# Backends whose result is exact softmax attention (up to their own rounding): the strict path
+# computes that with flowlock's attention instead.
+DENSE_BACKENDS = frozenset({"FLASH_ATTN", "FLASH_ATTN_HUB", "FLASH_ATTN_3_HUB", "CUDNN_ATTN", "SDPA",
+                            "FLASHINFER_ATTN"})
+
+
+def linear_reason(module: nn.Module, biased: bool) -> str | None:
+    """Why the strict path cannot compute this linear, or None."""
+    if hasattr(module, "base_layer") and hasattr(module, "lora_a_stacked"):
+        return f"{type(module).__name__}: vLLM-Omni LoRA layers are not on the strict path yet"
+    if type(module) not in LINEAR_CLASSES:
+        return f"{type(module).__name__} is not one of vLLM's parallel linears"
+    if type(module.quant_method) is not UnquantizedLinearMethod:
+        return f"quantized ({type(module.quant_method).__name__})"
+    if module.tp_size != 1:
+        return f"tensor parallel size {module.tp_size} (the strict path serves TP = 1)"
+    if module.skip_bias_add:
+        return "skip_bias_add returns the bias unapplied; H3 never asks for that"
+    if (module.bias is not None) != biased:
+        return "has a bias where H3 has none" if biased is False else "has no bias where H3 has one"
+    return None
+
+
+def _rms_norm_reason(module: nn.Module) -> str | None:
+    if type(module) is not RMSNorm or module.weight is None:
+        return f"{type(module).__name__} is not vLLM-Omni's RMSNorm with a weight"
+    return None
+
+
+def hook_reason(module: nn.Module) -> str | None:
+    registry = getattr(module, "_hook_registry", None)
+    hooks = sorted(getattr(registry, "_hooks", {}) or {})
+    return f"vLLM-Omni hooks {hooks} are installed" if hooks else None
+
+
+class NativeRun:
+    """One forward's decisions: which modules run their own forward (audit fallbacks), and whether
+    ops range-check indices (a submodule called on its own) or the root validated them already."""
+
+    def __init__(self, check_indices: bool, root: nn.Module):
+        self.fallback: set[int] = set()
+        self.check_indices = check_indices
+        self._root = root
+        self._names: dict[int, str] | None = None
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> NativeRun:
+        run = cls(check_indices=False, root=model)
+        run._check(model, run._model_reason(model))
+        if run.runs_own(model):
+            return run
+        for name in ("video_patch_proj", "audio_patch_proj", "condition_proj"):
+            module = getattr(model, name)
+            run._check(module, linear_reason(module, biased=True))
+        run._check_time_embedder(model.time_embedder)
+        run._check_refiner(model.token_refiner)
+        for block in model.blocks:
+            run._check_block(block)
+        run._check_final_layer(model.final_layer)
+        return run
+
+    @classmethod
+    def for_module(cls, module: nn.Module) -> NativeRun:
+        """Decisions for one patched submodule called outside a strict root forward."""
+        run = cls(check_indices=True, root=module)
+        checks = {MiniMaxH3DiTBlock: run._check_block, MiniMaxH3TokenRefinerBlock: run._check_refiner_block,
+                  MiniMaxH3TokenRefiner: run._check_refiner, MiniMaxH3TimeEmbedder: run._check_time_embedder,
+                  MiniMaxH3FinalLayer: run._check_final_layer}
+        check = checks.get(type(module))
+        if check is not None:
+            check(module)
+        else:
+            run._check(module, linear_reason(module, biased=module.bias is not None))
+        return run
+
+    @staticmethod
+    def _model_reason(model: nn.Module) -> str | None:
+        if getattr(model, "_is_cached", False):
+            return "Cache-DiT is enabled (it reuses or skips block outputs)"
+        config = model.parallel_config
+        for degree in ("ulysses_degree", "ring_degree"):
+            if int(getattr(config, degree, 1) or 1) != 1:
+                return f"sequence parallelism ({degree} {getattr(config, degree)}; the strict path serves 1)"
+        if model.vsa_gates_enabled:
+            return "VSA gates are enabled (sparse attention)"
+        for name, module in model.named_modules():
+            reason = hook_reason(module)
+            if reason is not None:
+                return f"{reason} on {name or '<root>'}"
+        return None
+
+    def _check_time_embedder(self, embedder: nn.Module) -> None:
+        if embedder.frequency_embedding_size != 256:
+            self._check(embedder, "timestep_sinusoid serves a 256-wide sinusoid only")
+            return
+        for module in (embedder.proj_in, embedder.proj_out):
+            self._check(module, linear_reason(module, biased=True), fallback=embedder)
+
+    def _check_refiner(self, refiner: nn.Module) -> None:
+        for block in refiner.blocks:
+            self._check_refiner_block(block)
+        self._check(refiner.final_norm, _rms_norm_reason(refiner.final_norm))
+
+    def _check_refiner_block(self, block: nn.Module) -> None:
+        self._check_attention(block.attn)
+        self._check_mlp(block.mlp)
+        for norm in (block.norm1, block.norm2):
+            self._check(norm, _rms_norm_reason(norm), fallback=block)
+
+    def _check_block(self, block: nn.Module) -> None:
+        self._check_refiner_block(block)
+        # the AdaLN table and the fused norm-modulate ops read these weights directly
+        self._check(block.adaln_proj.linear, linear_reason(block.adaln_proj.linear, biased=True), fallback=block)
+
+    def _check_final_layer(self, final: nn.Module) -> None:
+        self._check(final.norm, _rms_norm_reason(final.norm), fallback=final)
+        for module in (final.adaln_proj.linear, final.video_out, final.audio_out):
+            self._check(module, linear_reason(module, biased=True), fallback=final)
+
+    def _check_attention(self, attn: nn.Module) -> None:
+        layer = attn.attention
+        backend = getattr(layer, "attn_backend", None)
+        name = backend.get_name() if backend is not None else "a model-owned kernel"
+        if type(attn) is not MiniMaxH3Attention:
+            reason = f"{type(attn).__name__} is not MiniMaxH3Attention"
+        elif name not in DENSE_BACKENDS:
+            reason = f"attention backend {name} is not dense softmax attention"
+        elif attn.to_gate_compress is not None or attn.vsa_sparsity is not None:
+            reason = "VSA sparse attention is configured"
+        elif getattr(layer, "use_ring", False):
+            reason = "ring attention"
+        elif getattr(layer, "_kv_cache_dtype", None) is not None:
+            reason = f"KV quantization to {layer._kv_cache_dtype}"
+        elif attn.num_heads != attn.num_kv_heads:
+            reason = "grouped-query attention (H3 has none)"
+        elif not math.isclose(attn.softmax_scale, attn.head_dim ** -0.5, rel_tol=1e-12):
+            reason = f"softmax scale {attn.softmax_scale} is not 1/sqrt(head_dim)"
+        else:
+            reason = None
+        self._check(attn, reason)
+        if reason is None:
+            for module in (attn.qkv_proj, attn.out_proj):
+                self._check(module, linear_reason(module, biased=False), fallback=attn)
+            for norm in (attn.q_norm, attn.k_norm):
+                self._check(norm, _rms_norm_reason(norm), fallback=attn)
+
+    def _check_mlp(self, mlp: nn.Module) -> None:
+        if type(mlp) is not MiniMaxH3MLP:
+            self._check(mlp, f"{type(mlp).__name__} is not MiniMaxH3MLP")
+            return
+        for module in (mlp.fc1, mlp.fc2):
+            self._check(module, linear_reason(module, biased=False), fallback=mlp)
+
+    def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None) -> None:
+        if reason is None:
+            return
+        if self._names is None:
+            # walked only when a check fails, so a passing forward does not pay for named_modules()
+            self._names = {id(m): n for n, m in self._root.named_modules()}
+        fallback_or_raise(f"vllm_omni minimax_h3 {self._names.get(id(module), type(module).__name__) or '<root>'}",
+                          reason)
+        self.fallback.add(id(fallback if fallback is not None else module))
+
+    def runs_own(self, module: nn.Module) -> bool:
+        return id(module) in self.fallback

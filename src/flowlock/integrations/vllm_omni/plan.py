@@ -1,0 +1,68 @@
+"""The patch plan for one vLLM-Omni ``MiniMaxH3DiTModel`` instance, as data.
+
+Patched (the ``forward`` of each, replaced by its mode-aware strict forward): the model, every
+DiT block, the token refiner and each of its blocks, the time embedder, the final layer, and the
+linears the root forward calls directly (the patch and condition projections, the two output
+heads). The root reaches them through ``__call__``, as vLLM-Omni does, so a module called on its
+own also runs strict. Parameters, buffers and the module tree are untouched.
+"""
+
+from __future__ import annotations
+
+from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
+    MiniMaxH3DiTBlock,
+    MiniMaxH3DiTModel,
+    MiniMaxH3FinalLayer,
+    MiniMaxH3TimeEmbedder,
+    MiniMaxH3TokenRefiner,
+    MiniMaxH3TokenRefinerBlock,
+)
+
+from flowlock.integrations.vllm_omni import forward as strict
+from flowlock.integrations.vllm_omni.coverage import NativeRun
+from flowlock.models.minimax_h3.patch import make_patched_forward
+from flowlock.patching import PatchEntry, PatchHandle
+
+_LINEARS = ("video_patch_proj", "audio_patch_proj", "condition_proj", "final_layer.video_out",
+            "final_layer.audio_out")
+
+
+def _model_call(model, arguments, stock):
+    return strict.model_forward(model, arguments["kwargs"], stock)
+
+
+def _module_call(strict_fn):
+    def call(module, arguments, stock):
+        run = strict.active_run() or NativeRun.for_module(module)
+        if run.runs_own(module):
+            return stock()
+        return strict_fn(run, module, **arguments)
+    return call
+
+
+def _linear_call(module, arguments, stock):
+    run = strict.active_run() or NativeRun.for_module(module)
+    if run.runs_own(module):
+        return stock()
+    (x,) = arguments.values()
+    y = strict.linear_forward(run, module, x)
+    return (y, None) if module.return_bias else y
+
+
+def build_plan(model: MiniMaxH3DiTModel, handle: PatchHandle) -> list[PatchEntry]:
+    """The entries routing ``model`` through the strict path under ``handle.mode``; each original
+    forward (an instance-level one included) is read now: provider mode calls it, ``remove()``
+    restores it."""
+    targets = [("", model, MiniMaxH3DiTModel, _model_call),
+               ("token_refiner", model.token_refiner, MiniMaxH3TokenRefiner, _module_call(strict.refiner_forward))]
+    targets += [(f"token_refiner.blocks.{i}", block, MiniMaxH3TokenRefinerBlock,
+                 _module_call(strict.refiner_block_forward)) for i, block in enumerate(model.token_refiner.blocks)]
+    targets += [(f"blocks.{i}", block, MiniMaxH3DiTBlock, _module_call(strict.block_forward))
+                for i, block in enumerate(model.blocks)]
+    targets.append(("time_embedder", model.time_embedder, MiniMaxH3TimeEmbedder,
+                    _module_call(strict.time_embedder_forward)))
+    targets.append(("final_layer", model.final_layer, MiniMaxH3FinalLayer, _module_call(strict.final_layer_forward)))
+    # untyped: another layer in a linear slot (a LoRA wrapper) is for coverage to name at forward time
+    targets += [(name, model.get_submodule(name), None, _linear_call) for name in _LINEARS]
+    return [PatchEntry(name, "forward", make_patched_forward(module, module.forward, handle, call), kind)
+            for name, module, kind, call in targets]

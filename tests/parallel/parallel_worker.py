@@ -1,0 +1,214 @@
+"""One rank of a gloo test job: ``python parallel_worker.py SCENARIO`` (started by ``parallel_launch``).
+
+The layout checks themselves are ``flowlock check --layout``'s (:mod:`flowlock.validate.layout_worker`);
+here they run with poisoned allocations, followed by what only tests do: planted non-invariant
+pieces that the same checks must catch, refusals, and ranks that die, raise or stop responding.
+Each scenario asserts as it goes (a failure exits non-zero with the traceback) and ends by printing
+``rank <r> ok``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from diffusers import ContextParallelConfig
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import flowlock
+import flowlock.models.minimax_h3.context_parallel as h3_cp
+import flowlock.models.minimax_h3.strict as h3_strict
+from flowlock.models.minimax_h3 import build_layout, tiny_h3, tiny_inputs
+from flowlock.parallel import CollectiveError
+from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
+from flowlock.validate.layout_worker import (
+    BATCH,
+    LAYOUTS,
+    _local,
+    check_fsdp_ulysses,
+    check_ulysses,
+    cp_model,
+    forward_backward,
+    init,
+    reduce_and_check,
+)
+
+
+def _poison_allocations() -> None:
+    for name in ("empty", "empty_like", "empty_strided"):
+        original = getattr(torch, name)
+
+        def poisoned(*args, __original=original, **kwargs):
+            return poison_(__original(*args, **kwargs))
+
+        setattr(torch, name, poisoned)
+
+
+def scenario_ulysses(rank: int) -> None:
+    def plants(ref, model, sharded):
+        planted_row_count_gemm(ref, model, rank)
+        planted_naive_all_reduce(model, sharded, rank)
+        if dist.get_world_size() == 2:
+            checkpointed_blocks(ref, rank)
+
+    check_ulysses(rank, plants)
+    n = dist.get_world_size()
+    if n == 2:
+        refusals_two_ranks(rank)
+    else:
+        refused = False
+        try:
+            flowlock.patch(cp_model(n, base=tiny_h3()))
+        except ValueError as err:
+            refused = "does not divide the 2 heads" in str(err)
+        assert refused, "a Ulysses degree that does not divide the heads must be refused at patch time"
+
+
+def planted_row_count_gemm(ref, model, rank: int) -> None:
+    """A linear whose reduction order depends on how many rows it is given (as a split-K heuristic for
+    small M does): below 32 rows it sums the two halves of K separately. One process gives the blocks
+    B·S rows, a Ulysses rank fewer; the same comparison must catch it on every rank."""
+    real = h3_strict.linear
+
+    def planted(x, weight, bias=None, **kwargs):
+        if x.numel() // x.shape[-1] >= 32 or x.shape[-1] < 2:
+            return real(x, weight, bias, **kwargs)
+        half = x.shape[-1] // 2
+        out = real(x[..., :half].contiguous(), weight[:, :half].contiguous())
+        out = out + real(x[..., half:].contiguous(), weight[:, half:].contiguous())
+        return out if bias is None else out + bias
+
+    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    h3_strict.linear = planted
+    try:
+        with torch.no_grad():
+            expected, got = ref(**inputs), model(**inputs)
+    finally:
+        h3_strict.linear = real
+    caught = mismatch_count(got.sample, expected.sample) + mismatch_count(got.audio_sample, expected.audio_sample)
+    assert caught, "the planted row-count-dependent linear was not caught"
+    print(f"rank {rank}: planted row-count-dependent linear caught ({caught} output elements differ)", flush=True)
+
+
+def planted_naive_all_reduce(model, sharded: set, rank: int) -> None:
+    """Replace the fixed fold by the backend's all-reduce; report whether the fold check catches it."""
+    real = h3_cp.fold_sum_
+
+    def naive(grads, group):
+        for g in grads:
+            dist.all_reduce(_local(g), group=group)
+
+    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    _, grads = forward_backward(model, inputs)
+    h3_cp.fold_sum_ = naive
+    try:
+        reduce_and_check(model, grads, sharded, "planted")
+        caught = False
+    except AssertionError:
+        caught = True
+    finally:
+        h3_cp.fold_sum_ = real
+    print(f"rank {rank}: planted naive all-reduce of bf16/fp32 partials over {dist.get_world_size()} ranks "
+          f"{'caught' if caught else 'NOT caught (bitwise equal to the fold here)'}", flush=True)
+    if dist.get_world_size() >= 4:
+        assert caught, "the planted naive all-reduce was not caught"
+
+
+def refusals_two_ranks(rank: int) -> None:
+    inputs = tiny_inputs(BATCH, seed=1)
+    ring = tiny_h3()
+    ring.enable_parallelism(config=ContextParallelConfig(ring_degree=2))
+    with flowlock.patch(ring):
+        try:
+            ring(**inputs)
+            raise AssertionError("ring attention ran on the strict path")
+        except flowlock.StrictModeError as err:
+            assert "ring attention" in str(err), err
+    late = tiny_h3()
+    flowlock.patch(late)
+    late.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+    try:
+        late(**inputs)
+        raise AssertionError("hooks over the patch were not refused")
+    except RuntimeError as err:
+        assert "enable_parallelism ran after flowlock.patch" in str(err), err
+    mismatch = cp_model(2)
+    # Same S = 24 on both ranks, different packings: only the layout fingerprint tells them apart.
+    layout = build_layout(5, 2, 2, 3, 7) if rank == 0 else build_layout(4, 2, 2, 3, 8)
+    with flowlock.patch(mismatch):
+        try:
+            mismatch(**tiny_inputs(BATCH, seed=1, layout=layout))
+            raise AssertionError("ranks with different layouts were not refused")
+        except ValueError as err:
+            assert "disagree on the layout" in str(err), err
+    print(f"rank {rank}: ring, patch order and a per-rank layout mismatch refused", flush=True)
+
+
+def checkpointed_blocks(ref, rank: int) -> None:
+    """diffusers' gradient checkpointing recomputes each block, its all-to-alls included, in backward."""
+    model = cp_model(2)
+    model.enable_gradient_checkpointing()
+    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    expected, _ = forward_backward(ref, inputs)
+    with flowlock.patch(model):
+        got, _ = forward_backward(model, inputs)
+    assert_bitwise_equal(got, expected, f"checkpointed Ulysses 2, rank {rank}")
+    print(f"rank {rank}: gradient-checkpointed blocks equal one process", flush=True)
+
+
+def scenario_fsdp_ulysses(rank: int) -> None:
+    mesh = check_fsdp_ulysses(rank)
+    across = cp_model(2, mesh=mesh)
+    fully_shard(across.transformer_blocks[0], mesh=init_device_mesh("cpu", (4,)))
+    with flowlock.patch(across):
+        try:
+            across(**tiny_inputs(BATCH, seed=1))
+            raise AssertionError("an FSDP2 mesh spanning the Ulysses peers was not refused")
+        except ValueError as err:
+            assert "spans Ulysses peers" in str(err), err
+    print(f"rank {rank}: an FSDP2 mesh spanning the Ulysses peers refused", flush=True)
+
+
+def _faulty(rank: int, fault) -> None:
+    model = cp_model(dist.get_world_size())
+    if rank == 1:
+        model.transformer_blocks[1].register_forward_pre_hook(lambda module, args: fault())
+    start = time.monotonic()
+    with flowlock.patch(model):
+        try:
+            forward_backward(model, tiny_inputs(BATCH, seed=1))
+        except CollectiveError as err:
+            print(f"rank {rank}: CollectiveError after {time.monotonic() - start:.1f} s: {err}", flush=True)
+            raise
+    raise AssertionError("the forward finished although a rank failed")
+
+
+def scenario_killed_rank(rank: int) -> None:
+    _faulty(rank, lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def scenario_failing_rank(rank: int) -> None:
+    def fail():
+        raise RuntimeError("planted failure on rank 1")
+    _faulty(rank, fail)
+
+
+def scenario_stuck_rank(rank: int) -> None:
+    _faulty(rank, lambda: time.sleep(float(os.environ["FLOWLOCK_STUCK_S"])))
+
+
+def main() -> None:
+    _poison_allocations()
+    rank = init()
+    globals()["scenario_" + sys.argv[1]](rank)
+    dist.destroy_process_group()
+    print(f"rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
