@@ -119,34 +119,63 @@ register("timestep_mlp_t", "fp32", "sm90", _cfg(4, BLOCK_N=8, BLOCK_K=256,
 register("timestep_mlp_wgrad", "fp32", "any", _cfg(4, BLOCK_N=16, BLOCK_K=32, note="interpreter-sized"))
 register("timestep_mlp_wgrad", "fp32", "sm90",
          _cfg(4, BLOCK_N=32, BLOCK_K=128, note="dW written once, T rows ascending"))
-register("swiglu", "bf16", "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
-register("swiglu", "bf16", "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound"))
-register("qk_norm_rope_fwd", "bf16", "any", _cfg(4, note="one (token, head) row per program"))
-register("qk_norm_rope_bwd", "bf16", "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
-register("qk_norm_rope_bwd", "bf16", "sm90", _cfg(4, TILE_ROWS=256, note="256 rows per program: 8x fewer partials"))
+for _dt in ("bf16", "fp16", "fp32"):
+    register("swiglu", _dt, "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
+    register("swiglu", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound; fp16/fp32 reuse bf16's"))
+for _dt in ("bf16", "fp16", "fp32"):
+    register("qk_norm_rope_fwd", _dt, "any", _cfg(4, note="one (token, head) row per program"))
+    register("qk_norm_rope_bwd", _dt, "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
+    register("qk_norm_rope_bwd", _dt, "sm90", _cfg(4, TILE_ROWS=256, note="256 rows per program: 8x fewer "
+                                                                         "partials; fp16/fp32 reuse the bf16 size"))
 
 # rows (gather_rows / scatter_rows): pure copies; BLOCK_H by design (bandwidth-bound), not yet timed on an H200.
 for _dt in ("fp32", "bf16", "fp16"):
     register("rows", _dt, "any", _cfg(4, BLOCK_H=1024, note="one 1024-channel slice of one row per program"))
-# attention: keyed by head dim D; "any" tiles are interpreter-sized so odd test shapes cross several blocks
+# attention: keyed by the power-of-two head tile BLOCK_D (a padded head dim runs its tile's entry); "any" tiles are
+# interpreter-sized so odd test shapes cross several blocks
 _ATTN_SM90 = ("best of two sweeps at B=1, 56 heads, D=128, S=16384 on an H200 (bench_attention.py --sweep, "
               "benchmarks/results/attention_h200_run*.json); D=32/64 reuse the D=128 tiles untimed; "
               "TMA=1 reads q/k/v/dO through descriptors (same bits as TMA=0, the pointer loads)")
 _DP_FIRST = ("; DP_FIRST=1: backward 3% faster at S = 4096, 16384 and 32768 in the H200 sweep of 49d5e61 "
              "(same bits; no gain for dQ, which keeps the plain order)")
-for _d in (32, 64, 128):
-    for _op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
-        register(_op, "bf16", "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, TMA=0, note="interpreter-sized"), (_d,))
-    register("attention_bwd_delta", "bf16", "any", _cfg(4, BLOCK_M=16, note="interpreter-sized"), (_d,))
-    register("attention_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_ATTN_SM90), (_d,))
-    register("attention_bwd_delta", "bf16", "sm90", _cfg(4, BLOCK_M=64, note="memory-bound row sums"), (_d,))
-    register("attention_bwd_dkdv", "bf16", "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1,
-                                                         note=_ATTN_SM90 + _DP_FIRST), (_d,))
-    register("attention_bwd_dq", "bf16", "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_ATTN_SM90), (_d,))
+_ATTN_NEW = "by design, untimed: {} (fits shared memory and registers on paper; compile and sweep on an H200)"
+for _dt in ("bf16", "fp16", "fp32"):
+    for _d in (16, 32, 64, 128, 256):
+        for _op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
+            register(_op, _dt, "any", _cfg(4, BLOCK_M=16, BLOCK_N=16, TMA=0, note="interpreter-sized"), (_d,))
+        register("attention_bwd_delta", _dt, "any", _cfg(4, BLOCK_M=16, note="interpreter-sized"), (_d,))
+        register("attention_bwd_delta", _dt, "sm90", _cfg(4, BLOCK_M=64, note="memory-bound row sums"), (_d,))
+# bf16 D = 32/64/128: the swept entries; fp16 (same bytes, same tensor-core rate) takes the same tiles
+for _dt in ("bf16", "fp16"):
+    for _d in (16, 32, 64, 128):
+        if _dt == "fp16":
+            _note = _ATTN_NEW.format("fp16 takes the bf16 tiles")
+        else:
+            _note = _ATTN_SM90 if _d > 16 else _ATTN_NEW.format("D=16 takes the D=128 tiles")
+        register("attention_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_note), (_d,))
+        register("attention_bwd_dkdv", _dt, "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1,
+                                                          note=_note + _DP_FIRST), (_d,))
+        register("attention_bwd_dq", _dt, "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_note), (_d,))
+    # D = 256 (and padded 136..248): half-size KV tiles keep the fp32 accumulators and staged K/V on chip
+    _note = _ATTN_NEW.format("D=256 halves the KV tiles of D=128")
+    register("attention_fwd", _dt, "sm90", _cfg(8, 2, BLOCK_M=64, BLOCK_N=64, TMA=1, note=_note), (256,))
+    register("attention_bwd_dkdv", _dt, "sm90", _cfg(8, 2, BLOCK_M=32, BLOCK_N=64, TMA=1, DP_FIRST=1, note=_note),
+             (256,))
+    register("attention_bwd_dq", _dt, "sm90", _cfg(8, 2, BLOCK_M=64, BLOCK_N=32, TMA=1, note=_note), (256,))
+# fp32: true-fp32 FMA products (no tensor cores) hold whole operand rows in registers, so the tiles are small
+# and some spilling remains; chosen by offline sm90 compiles (Triton 3.6 + bundled ptxas, no GPU): at D = 128,
+# 32x32 tiles over 8 warps spill 1.5 / 3.6 / 2.5 KB (fwd / dK dV / dQ) against 30 / 9.9 KB for 64x32 over 4;
+# D = 16 keeps 64x32 over 4 warps (fwd no spill). Untimed.
+for _d in (16, 32, 64, 128, 256):
+    _m, _w = (64, 4) if _d == 16 else (32, 8)
+    _note = _ATTN_NEW.format("true-fp32 FMA tiles, sized by offline sm90 compiles")
+    register("attention_fwd", "fp32", "sm90", _cfg(_w, 1, BLOCK_M=_m, BLOCK_N=32, TMA=0, note=_note), (_d,))
+    register("attention_bwd_dkdv", "fp32", "sm90", _cfg(_w, 1, BLOCK_M=32, BLOCK_N=_m, TMA=0, note=_note), (_d,))
+    register("attention_bwd_dq", "fp32", "sm90", _cfg(_w, 1, BLOCK_M=_m, BLOCK_N=32, TMA=0, note=_note), (_d,))
 
 # linear: BLOCK_R (reduced-dim block) is one value per (dtype, arch) for every weight shape, so fused qkv == q, k, v.
 _LINEAR_ANY = "interpreter-sized (ragged tails at test shapes); non-Hopper GPUs run the pointer kernel with these"
-for _dt in ("bf16", "fp32"):
+for _dt in ("bf16", "fp16", "fp32"):
     register("linear_fwd", _dt, "any", _cfg(4, BLOCK_I=16, BLOCK_J=16, BLOCK_R=32, GROUP_I=2, UNIT=0, TMA=0,
                                             EPI_SPLIT=0, note=_LINEAR_ANY))
     register("linear_dx", _dt, "any", _cfg(4, BLOCK_I=16, BLOCK_J=16, BLOCK_R=16, GROUP_I=2, UNIT=0, TMA=0,
@@ -157,16 +186,19 @@ for _dt in ("bf16", "fp32"):
 # sm90 entries: chosen on one H200 (torch 2.11, triton 3.6) by `bench_linear.py --sweep`, candidates timed against
 # cuBLAS at M = 4096/16384/32768, best worst-case ratio kept (benchmarks/results/linear_h200_run2.json).
 _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
-register("linear_fwd", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                            EPI_SPLIT=1, FLATTEN=1, note=_LINEAR_SM90))
-for _shape in ((5376, 7168), (5376, 14336)):  # N = 5376: 128-wide tiles fill the last wave better at M = 4096
-    register("linear_fwd", "bf16", "sm90", _cfg(8, 4, BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                                EPI_SPLIT=0, FLATTEN=1, note=_LINEAR_SM90), _shape)
-register("linear_dx", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                           EPI_SPLIT=1, FLATTEN=1, note=_LINEAR_SM90))
-register("linear_dw", "bf16", "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
-                                           EPI_SPLIT=1, FLAT_UNITS=1, note=_LINEAR_SM90 + "; UNIT = dW token unit"))
-register("linear_dbias", "bf16", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note="by design; ran, not timed"))
+# fp16 takes the bf16 tiles untimed: the same operand bytes and tensor-core rate, the same fp32 accumulator
+for _dt in ("bf16", "fp16"):
+    _note = _LINEAR_SM90 if _dt == "bf16" else "bf16 tiles, untimed for fp16"
+    register("linear_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
+                                             EPI_SPLIT=1, FLATTEN=1, note=_note))
+    for _shape in ((5376, 7168), (5376, 14336)):  # N = 5376: 128-wide tiles fill the last wave better at M = 4096
+        register("linear_fwd", _dt, "sm90", _cfg(8, 4, BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, GROUP_I=8, UNIT=0,
+                                                 TMA=1, EPI_SPLIT=0, FLATTEN=1, note=_note), _shape)
+    register("linear_dx", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
+                                            EPI_SPLIT=1, FLATTEN=1, note=_note))
+    register("linear_dw", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
+                                            EPI_SPLIT=1, FLAT_UNITS=1, note=_note + "; UNIT = dW token unit"))
+    register("linear_dbias", _dt, "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note="by design; ran, not timed"))
 for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):
     register(_op, "fp32", "sm90", _cfg(4, 3, BLOCK_I=64, BLOCK_J=64, BLOCK_R=32, GROUP_I=8, UNIT=_unit, TMA=1,
                                        EPI_SPLIT=0, note="true-fp32 FMA dot (no TF32), small modules; by design"))
@@ -174,17 +206,19 @@ register("linear_dbias", "fp32", "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=10
 
 # adaln (adaln_table / adaln_modulation / final_adaln_out): chosen by design for the weight-streaming
 # memory roof on sm90 (not yet measured on an H200); the "any" entries keep interpreter runs small.
-register("adaln_proj_fwd", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=32, BLOCK_K=16,
-                                               note="interpreter-sized; K tiles of 16 exercise masked tails"))
-register("adaln_proj_fwd", "bf16", "sm90", _cfg(4, 4, BLOCK_T=16, BLOCK_N=128, BLOCK_K=64,
-                                                note="H200 sweep: 54 us vs 88 us for 64x128 at N=6H, same bits"))
-register("adaln_proj_bwd_act", "bf16", "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=80,
-                                                   note="interpreter-sized; several N chunks, ragged last"))
-register("adaln_proj_bwd_act", "bf16", "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=4096,
-                                                    note="24 fixed N chunks x 42 K tiles at H3 dims"))
-register("adaln_proj_bwd_weight", "bf16", "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
-register("adaln_proj_bwd_weight", "bf16", "sm90", _cfg(4, 1, BLOCK_N=64, BLOCK_K=128,
-                                                       note="dW written once; T rows streamed per tile"))
+for _dt in ("bf16", "fp16", "fp32"):
+    _new = "" if _dt == "bf16" else f"; {_dt} takes the bf16 tiles, untimed"
+    register("adaln_proj_fwd", _dt, "any", _cfg(4, BLOCK_T=16, BLOCK_N=32, BLOCK_K=16,
+                                                note="interpreter-sized; K tiles of 16 exercise masked tails"))
+    register("adaln_proj_fwd", _dt, "sm90", _cfg(4, 4, BLOCK_T=16, BLOCK_N=128, BLOCK_K=64,
+                                                 note="H200 sweep: 54 us vs 88 us for 64x128 at N=6H" + _new))
+    register("adaln_proj_bwd_act", _dt, "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=80,
+                                                    note="interpreter-sized; several N chunks, ragged last"))
+    register("adaln_proj_bwd_act", _dt, "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=4096,
+                                                     note="24 fixed N chunks x 42 K tiles at H3 dims" + _new))
+    register("adaln_proj_bwd_weight", _dt, "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
+    register("adaln_proj_bwd_weight", _dt, "sm90", _cfg(4, 1, BLOCK_N=64, BLOCK_K=128,
+                                                        note="dW written once; T rows streamed per tile" + _new))
 register("adaln_gather", "fp32", "any", _cfg(4, BLOCK_S=16, BLOCK_H=32, note="row gather, memory-bound"))
 register("adaln_gather", "fp32", "sm90", _cfg(4, BLOCK_S=4, BLOCK_H=512,
                                               note="all six chunks per program, 512-wide rows; by design"))

@@ -95,3 +95,65 @@ def test_public_call_no_graph_equals_graphed():
     assert_bitwise_equal(plain, graphed.detach(), "no-graph vs graphed forward")
     grads = torch.autograd.grad(graphed, leaves, do)
     assert_bitwise_equal(grads, _run(q, k, v, do, None, None, None)[2:], "public backward vs the launchers")
+
+
+# New dtypes and head dims (issue 11): frozen sm90 configs compile, stay within the FP64 budget of the
+# provider's SDPA in the same dtype (TF32 off: fp32 must beat it, not match TF32 error), and are
+# batch-invariant; power-of-two fp16 heads also take the TMA path with the pointer path's bits.
+NEW_CASES = [(dt, d) for dt in (torch.float32, torch.float16, torch.bfloat16) for d in (16, 48, 80, 96, 256)
+             ] + [(dt, d) for dt in (torch.float32, torch.float16) for d in (32, 64, 128)]
+
+
+def _dtype_inputs(b, s, h, d, dtype, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [torch.randn(b, s, h, d, device=DEVICE, generator=g).to(dtype) for _ in range(4)]
+
+
+def _grads(fn, q, k, v, do):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, do))
+
+
+def _sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype, d", NEW_CASES)
+def test_new_dtypes_and_head_dims_within_budget(dtype, d):
+    from flowlock.ops.attention import attention_golden
+    from flowlock.testing import assert_within_budget
+
+    q, k, v, do = _dtype_inputs(2, 1024 + 33, 3, d, dtype, seed=d)
+    ours, base = _grads(attention, q, k, v, do), _grads(_sdpa, q, k, v, do)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    gold_out = attention_golden(*leaves, d ** -0.5, dtype)
+    gold = (gold_out.detach(), *torch.autograd.grad(gold_out, leaves, do.double()))
+    for name, o, bl, g in zip(("out", "dq", "dk", "dv"), ours, base, gold):
+        assert o.dtype == dtype
+        assert_within_budget(o, g, baseline=bl, what=f"{name} {dtype} D={d}")
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.float32, 80), (torch.float16, 256), (torch.bfloat16, 48)])
+def test_new_dtypes_and_head_dims_batch_invariant(dtype, d):
+    pool = _dtype_inputs(3, 333, 2, d, dtype, seed=1)
+    assert_batch_invariant(lambda q, k, v, do: _grads(attention, q, k, v, do), pool, sizes=(2, 3))
+
+
+@pytest.mark.parametrize("d", [16, 256])
+def test_fp16_tma_kernels_equal_pointer_kernels(d):
+    q, k, v, do = _dtype_inputs(2, 777, 2, d, torch.float16, seed=d)
+    arch = arch_of(q)
+
+    def frozen(op, tma):
+        cfg = launch_config(op, torch.float16, arch, (d,))
+        return LaunchConfig(tuple((n, int(tma) if n == "TMA" else x) for n, x in cfg.blocks), cfg.num_warps,
+                            cfg.num_stages)
+
+    def run(tma):
+        fwd, dkdv, dq = (frozen(op, tma) for op in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"))
+        out, lse2 = attention_fwd(q, k, v, d ** -0.5, fwd)
+        return (out, lse2, *attention_bwd(do, q, k, v, out, lse2, d ** -0.5, dkdv, dq))
+
+    assert_bitwise_equal(run(True), run(False), f"fp16 D={d} TMA vs pointer")

@@ -25,7 +25,7 @@ from flowlock.testing import (
     repeat_failures,
 )
 
-BF16, FP32 = torch.bfloat16, torch.float32
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def _data(m, n, k, dtype, seed=0, bias=True):
@@ -58,7 +58,7 @@ def _tma_cfg(op, dtype):
     return _with(launch_config(op, dtype, "interp"), TMA=1, EPI_SPLIT=1 if op == "linear_fwd" else 0)
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
 @pytest.mark.parametrize("m", [1, 7, 33])
 @pytest.mark.parametrize("n,k", [(24, 48), (40, 80)])
 def test_forward_and_grads_within_budget(dtype, m, n, k):
@@ -106,7 +106,7 @@ def test_empty_rows(backend):
     assert dx.shape == x.shape and bitwise_equal(dw, torch.zeros_like(w))
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
 def test_fused_columns_equal_separate(dtype):
     x, w, b = _data(33, 40, 80, dtype, seed=6)
     parts = [(w[:8], b[:8]), (w[8:24], b[8:24]), (w[24:], b[24:])]
@@ -117,9 +117,10 @@ def test_fused_columns_equal_separate(dtype):
     assert_bitwise_equal(_triton(x, w[perm].contiguous(), b[perm].contiguous()), fused[:, perm], "swapped halves")
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_batch_invariance(backend):
-    x, w, b = _data(16 * 3, 40, 80, BF16, seed=7)
+def test_batch_invariance(backend, dtype):
+    x, w, b = _data(16 * 3, 40, 80, dtype, seed=7)
     pool = x.reshape(16, 3, 80)
 
     def fn(xb):
@@ -178,7 +179,7 @@ def test_hypothesis_fusion_and_row_invariance(m, n, k, split, rows, seed):
     assert_bitwise_equal(_triton(x[rows], w, b), full[rows], "row subset vs full batch")
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
 def test_tma_variant_under_interpreter(dtype):
     """The persistent descriptor kernel (the Hopper variant) has the same semantics."""
     x, w, b = _data(33, 40, 80, dtype, seed=9)
@@ -260,7 +261,8 @@ def _bad_calls():
     xf, wf, bf = _data(7, 24, 48, FP32)
     wide = torch.zeros(24, 96, dtype=BF16)
     return [
-        ("x", TypeError, (x.half(), w.half(), None), {}),
+        ("x", TypeError, (x.double(), w.double(), None), {}),
+        ("weight", TypeError, (x, w.half(), None), {}),
         ("x", TypeError, ([1.0], w, None), {}),
         ("weight", TypeError, (x, wf, None), {}),
         ("weight", ValueError, (x, w[0], None), {}),
@@ -272,6 +274,7 @@ def _bad_calls():
         ("bias", TypeError, (x, w, bf), {}),
         ("bias", ValueError, (x, w, torch.zeros(48, dtype=BF16)[::2]), {}),
         ("out_dtype", ValueError, (x, w, b), {"out_dtype": torch.float16}),
+        ("out_dtype", ValueError, (x.half(), w.half(), b.half()), {"out_dtype": BF16}),
         ("out_dtype", ValueError, (xf, wf, bf), {"out_dtype": BF16}),
         ("out_dtype", TypeError, (x, w, b), {"out_dtype": "bf16"}),
         ("weight", ValueError, (x, w.to("meta"), None), {}),

@@ -133,7 +133,7 @@ def test_repeatable_including_dweight():
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("field, bad, exc, match", [
-    ("x", lambda a: a["x"].float(), TypeError, "x must have dtype"),
+    ("x", lambda a: a["x"].double(), TypeError, "x must have dtype"),
     ("x", lambda a: a["x"][0], ValueError, "x must be 4-D"),
     ("x", lambda a: a["x"].transpose(1, 2).contiguous().transpose(1, 2), ValueError, "x must be contiguous"),
     ("weight", lambda a: a["weight"].float(), TypeError, "weight must have dtype"),

@@ -6,13 +6,14 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
-from flowlock.ops._validate import check_index, check_tensor
+from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.adaln.reference import adaln_modulation_reference, adaln_table_reference
 from flowlock.ops.adaln.triton import AdalnModulationFunction, AdalnTableFunction, modulation_forward, projection
 
 
 def check_projection(temb: object, weight: object, bias: object, outputs_per_h: int) -> tuple[int, int, int]:
-    """Validate temb (T, E) fp32, weight (k*H, E) bf16, bias (k*H,) bf16 on one device; return (T, E, H).
+    """Validate temb (T, E) fp32, weight (k*H, E) bf16 / fp16 / fp32, bias (k*H,) of the weight's dtype on
+    one device; return (T, E, H).
 
     ``outputs_per_h`` is ``k``: 18 for the AdaLN table, 2 for the final norm's shift/scale.
     """
@@ -21,11 +22,11 @@ def check_projection(temb: object, weight: object, bias: object, outputs_per_h: 
     t, e = temb.shape
     if t < 1 or e < 1:
         raise ValueError(f"temb must have at least one row and one column, got shape {tuple(temb.shape)}")
-    weight = check_tensor("weight", weight, dtypes=(torch.bfloat16,), shape=(None, e), device=device)
+    weight = check_tensor("weight", weight, dtypes=FLOAT_DTYPES, shape=(None, e), device=device)
     n = weight.shape[0]
     if n == 0 or n % outputs_per_h:
         raise ValueError(f"weight must have {outputs_per_h}*H rows (H >= 1), got {n}")
-    check_tensor("bias", bias, dtypes=(torch.bfloat16,), shape=(n,), device=device)
+    check_tensor("bias", bias, dtypes=(weight.dtype,), shape=(n,), device=device)
     _check_contiguous("temb", temb)
     _check_contiguous("weight", weight)
     _check_contiguous("bias", bias)
@@ -42,19 +43,21 @@ def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
 
     Args:
         temb: ``(T, E)`` float32 timestep embeddings (one row per distinct timestep).
-        weight: ``(18H, E)`` bfloat16 ``adaln_proj.linear.weight``.
-        bias: ``(18H,)`` bfloat16 ``adaln_proj.linear.bias``.
+        weight: ``(18H, E)`` bfloat16, float16 or float32 ``adaln_proj.linear.weight``.
+        bias: ``(18H,)`` ``adaln_proj.linear.bias``, of the weight's dtype.
 
     Returns:
-        ``(3T, 6H)`` float32 holding the BF16 projection output exactly:
-        ``bf16(bf16(silu(temb)) @ weight^T + bias)`` viewed as ``(T, 18H) -> (3T, 6H)``; row
+        ``(3T, 6H)`` float32 holding the projection output in the weight's dtype ``w`` exactly:
+        ``w(w(silu(temb)) @ weight^T + bias)`` viewed as ``(T, 18H) -> (3T, 6H)``; row
         ``ti*3 + tag``, columns ``c*H:(c+1)*H`` for chunk ``c`` of (shift_msa, scale_msa, gate_msa,
         shift_mlp, scale_mlp, gate_mlp).
 
-    Guarantees: SiLU in FP32 before the one BF16 cast; FP32 accumulation over E in a fixed order,
-    so each row is a pure function of its temb row (independent of T); differentiable as one node
-    whose FP32 table gradient is never rounded before ``dW`` (BF16, T rows summed in ascending
-    order), ``db`` (likewise) and ``d_temb`` (FP32, N reduced in fixed chunks folded ascending).
+    Guarantees: SiLU in FP32 before the one cast to the weight's dtype (none for float32); FP32
+    accumulation over E in a fixed order (true FP32 products for float32 weights, no TF32), so each
+    row is a pure function of its temb row (independent of T); differentiable as one node whose
+    FP32 table gradient is never rounded before ``dW`` (the weight's dtype, T rows summed in
+    ascending order), ``db`` (likewise) and ``d_temb`` (FP32, N reduced in fixed chunks folded
+    ascending).
     """
     t, _, _ = check_projection(temb, weight, bias, 18)
     if backend_for("adaln_table", temb) == "reference":
@@ -72,14 +75,14 @@ def adaln_modulation(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
     Args:
         temb, weight, bias: as :func:`adaln_table` (temb ``(T, E)`` fp32; weight ``(18H, E)`` and
-            bias ``(18H,)`` bf16).
+            bias ``(18H,)`` bf16, fp16 or fp32).
         timestep_indices: ``(S,)`` int32/int64 in ``[0, T)``.
         token_tags: ``(S,)`` int32/int64 modality tags in ``{0, 1, 2}`` (video, text, audio).
         check_indices: range-check the indices (a host readback); pass ``False`` only for indices
             already validated.
 
     Returns:
-        Six ``(S, H)`` bfloat16 tensors ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
+        Six ``(S, H)`` tensors of the weight's dtype ``(shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp,
         gate_mlp)``, row ``s`` taken from table row ``timestep_indices[s]*3 + token_tags[s]``.
 
     Guarantees: forward bitwise equal to diffusers' ``adaln_proj(temb)`` chunks gathered with

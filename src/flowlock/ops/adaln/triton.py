@@ -1,13 +1,15 @@
 """Triton kernels, launchers and autograd nodes of the AdaLN projection and row gather.
 
-The projection ``y = bf16(bf16(silu(temb)) @ W^T + b)`` is the shared core of ``adaln_table`` (18H
-outputs) and ``final_adaln_out`` (2H outputs). PyTorch computes the FP32 SiLU; the kernels round it
-to BF16 themselves (the round-to-nearest-even of ``.to(torch.bfloat16)``), which saves a launch. The
+The projection ``y = w(w(silu(temb)) @ W^T + b)``, ``w(.)`` rounding to the weight's dtype (bf16,
+fp16, or fp32: no rounding), is the shared core of ``adaln_table`` (18H outputs) and
+``final_adaln_out`` (2H outputs). PyTorch computes the FP32 SiLU; the kernels round it to the
+weight's dtype themselves (the round-to-nearest-even of ``.to(weight.dtype)``), which saves a launch.
+fp32 weights multiply in true fp32 (no TF32). The
 forward streams the weight once for up to 16 T rows; every output element is accumulated in FP32
 over K in the same ascending tile order whatever T is, so a row's bits never depend on the other
 rows. The backward never rounds the FP32 table gradient: ``d_act`` reduces over N through fixed
 ``CHUNK_N`` partials folded in ascending order, and ``dW``/``db`` sum the T rows in ascending order
-before one BF16 rounding. The row gather's backward is in :mod:`flowlock.ops.adaln.table_grad`.
+before one rounding to the weight's dtype. The row gather's backward is in :mod:`flowlock.ops.adaln.table_grad`.
 """
 
 from __future__ import annotations
@@ -40,21 +42,24 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
     mask_t = offs_t < T
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    dtype = w_ptr.dtype.element_ty
     for k0 in range(0, E, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         mask_k = offs_k < E
-        # The FP32 SiLU's one BF16 rounding (the identity on a BF16 activation).
+        # The FP32 SiLU's one rounding to the weight's dtype (the identity on an activation in it).
         a = round_f32(to_f32(tl.load(act_ptr + offs_t[:, None] * E + offs_k[None, :],
-                                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)), tl.bfloat16)
+                                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)), dtype)
         w = tl.load(w_ptr + offs_n[None, :] * E + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
             acc += dot_f32(a, to_f32(w))
+        elif dtype == tl.float32:
+            acc += dot_f32(a, w)
         else:
-            acc += tl.dot(from_f32(a, tl.bfloat16), w)
+            acc += tl.dot(from_f32(a, dtype), w)
     bias = to_f32(tl.load(b_ptr + offs_n, mask=mask_n, other=0.0))
-    # One BF16 rounding after the bias, as nn.Linear's BF16 output; stored widened to FP32.
-    y = round_f32(acc + bias[None, :], tl.bfloat16)
+    # One rounding after the bias, as nn.Linear's output in the weight's dtype; stored widened to FP32.
+    y = round_f32(acc + bias[None, :], dtype)
     tl.store(out_ptr + offs_t[:, None] * N + offs_n[None, :], y, mask=mask_t[:, None] & mask_n[None, :])
 
 
@@ -112,22 +117,23 @@ def _adaln_table_bwd_weight_kernel(g_ptr, act_ptr, dw_ptr, db_ptr, T, N, E,
     mask_k = offs_k < E
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dtype = dw_ptr.dtype.element_ty
     # T rows summed one at a time in ascending order: the fold order is fixed by T alone.
     for t in range(0, T):
         g = tl.load(g_ptr + t * N + offs_n, mask=mask_n, other=0.0)
-        a = round_f32(to_f32(tl.load(act_ptr + t * E + offs_k, mask=mask_k, other=0.0)), tl.bfloat16)
+        a = round_f32(to_f32(tl.load(act_ptr + t * E + offs_k, mask=mask_k, other=0.0)), dtype)
         acc += g[:, None] * a[None, :]
         acc_b += g
-    tl.store(dw_ptr + offs_n[:, None] * E + offs_k[None, :], from_f32(round_f32(acc, tl.bfloat16), tl.bfloat16),
+    tl.store(dw_ptr + offs_n[:, None] * E + offs_k[None, :], from_f32(round_f32(acc, dtype), dtype),
              mask=mask_n[:, None] & mask_k[None, :])
-    tl.store(db_ptr + offs_n, from_f32(round_f32(acc_b, tl.bfloat16), tl.bfloat16), mask=mask_n & (pid_k == 0))
+    tl.store(db_ptr + offs_n, from_f32(round_f32(acc_b, dtype), dtype), mask=mask_n & (pid_k == 0))
 
 
 @triton.jit
 def _gather_chunk(table_ptr, rows, offs_s, offs_h, mask, out_ptr, H, ROW_STRIDE, C: tl.constexpr):
     vals = tl.load(table_ptr + rows[:, None] * ROW_STRIDE + C * H + offs_h[None, :], mask=mask, other=0.0)
-    # The table holds BF16 values, so narrowing is exact.
-    tl.store(out_ptr + offs_s[:, None] * H + offs_h[None, :], from_f32(vals, tl.bfloat16), mask=mask)
+    # The table holds values of the output dtype (the weight's), so narrowing is exact.
+    tl.store(out_ptr + offs_s[:, None] * H + offs_h[None, :], from_f32(vals, out_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -152,7 +158,7 @@ def _adaln_modulation_fwd_kernel(table_ptr, ti_ptr, tag_ptr, out0_ptr, out1_ptr,
 
 def silu_act(temb: torch.Tensor) -> torch.Tensor:
     """``silu(temb)`` in FP32, with the PyTorch op diffusers uses; the kernels that read it round it
-    to BF16 once, giving diffusers' ``silu(temb).to(torch.bfloat16)`` activation.
+    to the weight's dtype once, giving diffusers' ``silu(temb).to(weight.dtype)`` activation.
 
     SiLU runs in FP32 (casting first changes ~52% of outputs) and is left to PyTorch's own kernel
     so the BF16 activation is bitwise the one the provider feeds its projection; a Triton ``exp``
@@ -162,8 +168,9 @@ def silu_act(temb: torch.Tensor) -> torch.Tensor:
 
 
 def adaln_table_fwd(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``(T, N)`` FP32 holding ``bf16(bf16(act) @ weight^T + bias)``; act (T, E) fp32 (the SiLU output,
-    rounded to BF16 in the kernel) or bf16, weight (N, E) bf16. Trusted: inputs are not validated."""
+    """``(T, N)`` FP32 holding ``w(w(act) @ weight^T + bias)``, ``w`` rounding to the weight's dtype;
+    act (T, E) fp32 (the SiLU output, rounded in the kernel) or of the weight's dtype, weight (N, E)
+    bf16 / fp16 / fp32. Trusted: inputs are not validated."""
     t, e = act.shape
     n = weight.shape[0]
     block_n, block_t, kwargs = _table_fwd_args(weight.dtype, weight.device, interpreter_active())
@@ -195,7 +202,8 @@ def _gather_args(dtype: torch.dtype, device: torch.device) -> tuple[int, int, di
 def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, weight: torch.Tensor,
                     need_temb: bool = True, need_params: bool = True
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """VJP of the projection: grad (T, N) FP32 -> (d_temb (T, E) fp32, dW (N, E) bf16, db (N,) bf16).
+    """VJP of the projection: grad (T, N) FP32 -> (d_temb (T, E) fp32, dW (N, E), db (N,) in the
+    weight's dtype).
 
     ``act`` is the forward's activation input (fp32 SiLU or bf16, see :func:`adaln_table_fwd`).
     ``need_temb=False`` skips the pass that re-reads the weight (d_temb is None); ``need_params=False``
@@ -222,8 +230,8 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
                                                                          BLOCK=fold_block)
     if need_params:
         wcfg = config_for("adaln_proj_bwd_weight", weight)
-        d_weight = torch.empty((n, e), dtype=torch.bfloat16, device=grad.device)
-        d_bias = torch.empty((n,), dtype=torch.bfloat16, device=grad.device)
+        d_weight = torch.empty((n, e), dtype=weight.dtype, device=grad.device)
+        d_bias = torch.empty((n,), dtype=weight.dtype, device=grad.device)
         wgrid = (cdiv(n, wcfg["BLOCK_N"]), cdiv(e, wcfg["BLOCK_K"]))
         _adaln_table_bwd_weight_kernel[wgrid](grad, act, d_weight, d_bias, t, n, e,
                                               BLOCK_N=wcfg["BLOCK_N"], BLOCK_K=wcfg["BLOCK_K"],
@@ -232,15 +240,16 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
 
 
 def adaln_modulation_fwd(projected: torch.Tensor, timestep_indices: torch.Tensor,
-                         token_tags: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Six ``(S, H)`` BF16 tensors ``table[ti*3+tag, c*H:(c+1)*H]`` of the ``(3T, 6H)`` FP32 table, read
-    from the contiguous ``(T, 18H)`` projection output it views (row stride ``6H``) without the view op."""
+                         token_tags: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Six ``(S, H)`` tensors of ``dtype`` (the weight's, whose values the table holds)
+    ``table[ti*3+tag, c*H:(c+1)*H]`` of the ``(3T, 6H)`` FP32 table, read from the contiguous
+    ``(T, 18H)`` projection output it views (row stride ``6H``) without the view op."""
     s = timestep_indices.shape[0]
     h = projected.shape[1] // 18
     block_s, block_h, kwargs = _gather_args(projected.dtype, projected.device)
     device = projected.device
     # Int sizes, not a tuple: the same tensors with less argument parsing.
-    outs = [torch.empty(s, h, dtype=torch.bfloat16, device=device) for _ in range(6)]
+    outs = [torch.empty(s, h, dtype=dtype, device=device) for _ in range(6)]
     _adaln_modulation_fwd_kernel[(cdiv(s, block_s), cdiv(h, block_h))](
         projected, timestep_indices, token_tags, *outs, s, h, 6 * h, **kwargs)
     return tuple(outs)
@@ -284,15 +293,15 @@ def _(grad, temb, act, weight):
 
 @torch.library.custom_op("flowlock::adaln_modulation_fwd", mutates_args=())
 def _adaln_modulation_fwd_op(projected: torch.Tensor, timestep_indices: torch.Tensor,
-                             token_tags: torch.Tensor) -> list[torch.Tensor]:
+                             token_tags: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     """The six-way row gather from the ``(T, 18H)`` projection output as one opaque op."""
-    return list(adaln_modulation_fwd(projected, timestep_indices, token_tags))
+    return list(adaln_modulation_fwd(projected, timestep_indices, token_tags, dtype))
 
 
 @_adaln_modulation_fwd_op.register_fake
-def _(projected, timestep_indices, token_tags):
+def _(projected, timestep_indices, token_tags, dtype):
     shape = (timestep_indices.shape[0], projected.shape[1] // 18)
-    return [projected.new_empty(shape, dtype=torch.bfloat16) for _ in range(6)]
+    return [projected.new_empty(shape, dtype=dtype) for _ in range(6)]
 
 
 @torch.library.custom_op("flowlock::adaln_modulation_bwd", mutates_args=())
@@ -327,17 +336,18 @@ def projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
 
 def modulation_forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, timestep_indices: torch.Tensor,
                        token_tags: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """``(act, six (S, H) bf16 rows)``: the launches of :class:`AdalnModulationFunction`'s forward, which a
-    call that records no autograd node makes directly (same launchers, same bits)."""
+    """``(act, six (S, H) rows in the weight's dtype)``: the launches of
+    :class:`AdalnModulationFunction`'s forward, which a call that records no autograd node makes
+    directly (same launchers, same bits)."""
     act = silu_act(temb)
     if traced():
         projected = _adaln_table_fwd_op(act, weight, bias)
-        return act, tuple(_adaln_modulation_fwd_op(projected, timestep_indices, token_tags))
-    return act, adaln_modulation_fwd(adaln_table_fwd(act, weight, bias), timestep_indices, token_tags)
+        return act, tuple(_adaln_modulation_fwd_op(projected, timestep_indices, token_tags, weight.dtype))
+    return act, adaln_modulation_fwd(adaln_table_fwd(act, weight, bias), timestep_indices, token_tags, weight.dtype)
 
 
 class AdalnTableFunction(torch.autograd.Function):
-    """One node: temb (T, E) fp32, weight (N, E) bf16, bias (N,) bf16 -> (T, N) fp32 table."""
+    """One node: temb (T, E) fp32, weight (N, E) and bias (N,) bf16 / fp16 / fp32 -> (T, N) fp32 table."""
 
     @staticmethod
     def forward(ctx, temb, weight, bias):

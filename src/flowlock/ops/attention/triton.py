@@ -16,6 +16,14 @@ in fp32 from the stored input-dtype ``O``; ``P`` and ``dS = P * (dP - delta)`` r
 input dtype before their matmuls; ``dq``, ``dk``, ``dv`` accumulate in fp32, are scaled once and
 rounded once.
 
+Inputs are bf16, fp16 or fp32; every product accumulates in fp32, and fp32 operands are multiplied
+in true fp32 (``input_precision="ieee"``, no TF32), where rounding ``P`` and ``dS`` "to the input
+dtype" is no rounding at all. A head dim ``D`` is served by the power-of-two tile ``BLOCK_D`` (``D``
+itself, or the next power of two: 48 -> 64, 80 and 96 -> 128): loads read zeros into the padding
+columns and stores skip them, so the scores sum only zero products beyond ``D`` and padded outputs
+are never written. A power-of-two ``D`` compiles exactly the kernel it did before padding existed
+(every padding branch is a constexpr ``BLOCK_D != HEAD_DIM``).
+
 Two variants of the forward, dK/dV and dQ kernels share one source and one arithmetic; the launch
 config's ``TMA`` key names the variant. ``TMA=0`` reads every row block with a masked ``tl.load``
 (any GPU, the interpreter). ``TMA=1`` (Hopper) reads the q, k, v and dO row blocks through
@@ -47,19 +55,32 @@ from flowlock.ops.attention.reference import LOG2E
 @triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
     """``acc + a @ b`` in fp32. The interpreter gets fp32 operands (it computes bf16 dots wrongly;
-    products of bf16 values are exact in fp32) and a product that does not go through the host BLAS."""
+    products of bf16 values are exact in fp32) and a product that does not go through the host BLAS.
+    fp32 operands are multiplied in true fp32 (no TF32)."""
     if UPCAST:
         acc = acc + dot_f32(a.to(tl.float32), b.to(tl.float32))
+    elif a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
     return acc
 
 
 @triton.jit
-def _rows(base, start, offs, stride_s, HEAD_DIM: tl.constexpr):
+def _rows(base, start, offs, stride_s, BLOCK_D: tl.constexpr):
     """Pointers to rows ``start + offs`` (int64 offsets: S * row stride can exceed 2**31)."""
     rows = (start + offs).to(tl.int64) * stride_s
-    return base + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    return base + rows[:, None] + tl.arange(0, BLOCK_D)[None, :]
+
+
+@triton.jit
+def _in_head(row_ok, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``(rows, BLOCK_D)`` mask of a row tile: ``row_ok`` rows, and, when the power-of-two tile pads
+    the head (``BLOCK_D > HEAD_DIM``), only the head's own columns."""
+    mask = row_ok[:, None]
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (tl.arange(0, BLOCK_D) < HEAD_DIM)[None, :]
+    return mask
 
 
 @triton.jit
@@ -74,18 +95,21 @@ def _head(src, b, h, stride_b, stride_h, TMA: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(src, b, col, start, seq, stride_s, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-               MASK: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``start .. start + BLOCK`` of one (sample, head), zero past ``seq``: the box at
-    ``[b, start, col]`` of a descriptor (zero-filled past the sample's end) or a pointer load from
-    a :func:`_head` base, masked when ``MASK`` (unmasked blocks lie inside the sequence)."""
+def _load_rows(src, b, col, start, seq, stride_s, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``start .. start + BLOCK`` of one (sample, head), zero past ``seq`` and past the head's
+    ``HEAD_DIM`` columns: the box at ``[b, start, col]`` of a descriptor (zero-filled past the
+    sample's end; only for unpadded heads) or a pointer load from a :func:`_head` base, masked when
+    ``MASK`` (unmasked blocks lie inside the sequence) or when the tile pads the head."""
     if TMA:
-        rows = src.load([b, start, col]).reshape(BLOCK, HEAD_DIM)
+        rows = src.load([b, start, col]).reshape(BLOCK, BLOCK_D)
     else:
         offs = tl.arange(0, BLOCK)
-        ptrs = _rows(src, start, offs, stride_s, HEAD_DIM)
+        ptrs = _rows(src, start, offs, stride_s, BLOCK_D)
         if MASK:
-            rows = tl.load(ptrs, mask=((start + offs) < seq)[:, None], other=0.0)
+            rows = tl.load(ptrs, mask=_in_head((start + offs) < seq, BLOCK_D, HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            rows = tl.load(ptrs, mask=_in_head(offs >= 0, BLOCK_D, HEAD_DIM), other=0.0)
         else:
             rows = tl.load(ptrs)
     return rows
@@ -93,10 +117,10 @@ def _load_rows(src, b, col, start, seq, stride_s, BLOCK: tl.constexpr, HEAD_DIM:
 
 @triton.jit
 def _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs, qk_scale,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
-    k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, HEAD_DIM, MASK_N, TMA)
-    v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, HEAD_DIM, MASK_N, TMA)
+    k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_N, TMA)
+    v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_N, TMA)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     if MASK_N:
         qk = tl.where(((start_n + tl.arange(0, BLOCK_N)) < seq)[None, :], qk, float("-inf"))
@@ -113,7 +137,7 @@ def _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, start_n, seq, stride_k
 def _attention_fwd_kernel(Q, K, V, Out, Lse2, seq, heads, qk_scale,
                           stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                           UPCAST: tl.constexpr, TMA: tl.constexpr):
     """One program per (query block, sample * heads): online softmax over ascending KV blocks.
     ``Q``, ``K``, ``V`` are descriptors when ``TMA``, pointers otherwise."""
@@ -126,22 +150,22 @@ def _attention_fwd_kernel(Q, K, V, Out, Lse2, seq, heads, qk_scale,
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = (start_m + offs_m) < seq
     q = _load_rows(_head(Q, b, h, stride_qb, stride_qh, TMA), b, col, start_m, seq, stride_qs,
-                   BLOCK_M, HEAD_DIM, True, TMA)
+                   BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
     k_src = _head(K, b, h, stride_kb, stride_kh, TMA)
     v_src = _head(V, b, h, stride_vb, stride_vh, TMA)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_full = (seq // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i = _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs,
-                                      qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA)
+                                      qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST, TMA)
     if n_full < seq:
         acc, l_i, m_i = _fwd_kv_block(acc, l_i, m_i, q, k_src, v_src, b, col, n_full, seq, stride_ks, stride_vs,
-                                      qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA)
+                                      qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST, TMA)
     out = acc / l_i[:, None]
-    o_ptrs = _rows(_head(Out, b, h, stride_ob, stride_oh, False), start_m, offs_m, stride_os, HEAD_DIM)
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    o_ptrs = _rows(_head(Out, b, h, stride_ob, stride_oh, False), start_m, offs_m, stride_os, BLOCK_D)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=_in_head(row_ok, BLOCK_D, HEAD_DIM))
     lse_ptrs = Lse2 + pid_bh.to(tl.int64) * seq + start_m + offs_m
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
 
@@ -150,7 +174,7 @@ def _attention_fwd_kernel(Q, K, V, Out, Lse2, seq, heads, qk_scale,
 @triton.jit
 def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
                                 stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
-                                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]`` in fp32."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -159,10 +183,10 @@ def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = (start_m + offs_m) < seq
-    o = tl.load(_rows(Out + b * stride_ob + h * stride_oh, start_m, offs_m, stride_os, HEAD_DIM),
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(_rows(dOut + b * stride_db + h * stride_dh, start_m, offs_m, stride_ds, HEAD_DIM),
-                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(_rows(Out + b * stride_ob + h * stride_oh, start_m, offs_m, stride_os, BLOCK_D),
+                mask=_in_head(row_ok, BLOCK_D, HEAD_DIM), other=0.0)
+    do = tl.load(_rows(dOut + b * stride_db + h * stride_dh, start_m, offs_m, stride_ds, BLOCK_D),
+                 mask=_in_head(row_ok, BLOCK_D, HEAD_DIM), other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + pid_bh.to(tl.int64) * seq + start_m + offs_m, delta, mask=row_ok)
 
@@ -170,11 +194,11 @@ def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
 @triton.jit
 def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
                   stride_qs, stride_ds, qk_scale,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   MASK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
-    q = _load_rows(q_src, b, col, start_m, seq, stride_qs, BLOCK_M, HEAD_DIM, MASK_M, TMA)
-    do = _load_rows(do_src, b, col, start_m, seq, stride_ds, BLOCK_M, HEAD_DIM, MASK_M, TMA)
+    q = _load_rows(q_src, b, col, start_m, seq, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_M, TMA)
+    do = _load_rows(do_src, b, col, start_m, seq, stride_ds, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_M, TMA)
     if MASK_M:
         valid = (start_m + offs_m) < seq
         # +inf makes P exactly 0 on rows past the sequence end
@@ -203,8 +227,9 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
                                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                                stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                                stride_gb, stride_gs, stride_gh,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+                               DP_FIRST: tl.constexpr):
     """One program per (KV block, sample * heads) owns its dK, dV rows; query blocks ascend.
     ``dK`` and ``dV`` share the strides ``stride_g*``; ``Q``, ``K``, ``V``, ``dOut`` are
     descriptors when ``TMA``."""
@@ -217,35 +242,37 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = (start_n + offs_n) < seq
     k = _load_rows(_head(K, b, h, stride_kb, stride_kh, TMA), b, col, start_n, seq, stride_ks,
-                   BLOCK_N, HEAD_DIM, True, TMA)
+                   BLOCK_N, BLOCK_D, HEAD_DIM, True, TMA)
     v = _load_rows(_head(V, b, h, stride_vb, stride_vh, TMA), b, col, start_n, seq, stride_vs,
-                   BLOCK_N, HEAD_DIM, True, TMA)
+                   BLOCK_N, BLOCK_D, HEAD_DIM, True, TMA)
     q_src = _head(Q, b, h, stride_qb, stride_qh, TMA)
     do_src = _head(dOut, b, h, stride_db, stride_dh, TMA)
     lse_base = Lse2 + pid_bh.to(tl.int64) * seq
     delta_base = Delta + pid_bh.to(tl.int64) * seq
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m_full = (seq // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA, DP_FIRST)
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST,
+                               TMA, DP_FIRST)
     if m_full < seq:
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, m_full, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA, DP_FIRST)
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST,
+                               TMA, DP_FIRST)
     g_off = b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
-    tl.store(_rows(dK + g_off, start_n, offs_n, stride_gs, HEAD_DIM),
-             (dk * sm_scale).to(dK.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(_rows(dV + g_off, start_n, offs_n, stride_gs, HEAD_DIM),
-             dv.to(dV.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(_rows(dK + g_off, start_n, offs_n, stride_gs, BLOCK_D),
+             (dk * sm_scale).to(dK.dtype.element_ty), mask=_in_head(row_ok, BLOCK_D, HEAD_DIM))
+    tl.store(_rows(dV + g_off, start_n, offs_n, stride_gs, BLOCK_D),
+             dv.to(dV.dtype.element_ty), mask=_in_head(row_ok, BLOCK_D, HEAD_DIM))
 
 
 @triton.jit
 def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs, qk_scale,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
-    k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, HEAD_DIM, MASK_N, TMA)
-    v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, HEAD_DIM, MASK_N, TMA)
+    k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_N, TMA)
+    v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_N, TMA)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     if DP_FIRST:
         dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
@@ -264,8 +291,9 @@ def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scal
                              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                              stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                              stride_gb, stride_gs, stride_gh,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+                             DP_FIRST: tl.constexpr):
     """One program per (query block, sample * heads) owns its dQ rows; KV blocks ascend
     (``P`` and ``dP`` are recomputed rather than accumulated across programs). ``Q``, ``K``,
     ``V``, ``dOut`` are descriptors when ``TMA``."""
@@ -278,23 +306,23 @@ def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scal
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = (start_m + offs_m) < seq
     q = _load_rows(_head(Q, b, h, stride_qb, stride_qh, TMA), b, col, start_m, seq, stride_qs,
-                   BLOCK_M, HEAD_DIM, True, TMA)
+                   BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
     do = _load_rows(_head(dOut, b, h, stride_db, stride_dh, TMA), b, col, start_m, seq, stride_ds,
-                    BLOCK_M, HEAD_DIM, True, TMA)
+                    BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
     lse = tl.load(Lse2 + pid_bh.to(tl.int64) * seq + start_m + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(Delta + pid_bh.to(tl.int64) * seq + start_m + offs_m, mask=row_ok, other=0.0)
     k_src = _head(K, b, h, stride_kb, stride_kh, TMA)
     v_src = _head(V, b, h, stride_vb, stride_vh, TMA)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_full = (seq // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, False, UPCAST, TMA, DP_FIRST)
+                          qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST, TMA, DP_FIRST)
     if n_full < seq:
         dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, n_full, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, True, UPCAST, TMA, DP_FIRST)
-    tl.store(_rows(_head(dQ, b, h, stride_gb, stride_gh, False), start_m, offs_m, stride_gs, HEAD_DIM),
-             (dq * sm_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None])
+                          qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST, TMA, DP_FIRST)
+    tl.store(_rows(_head(dQ, b, h, stride_gb, stride_gh, False), start_m, offs_m, stride_gs, BLOCK_D),
+             (dq * sm_scale).to(dQ.dtype.element_ty), mask=_in_head(row_ok, BLOCK_D, HEAD_DIM))
 
 
 class _Tiles(NamedTuple):
@@ -323,22 +351,30 @@ class _Frozen(NamedTuple):
     dq: _Tiles
 
 
+def block_d(dim: int) -> int:
+    """The power-of-two tile width serving head dim ``dim``: ``dim`` itself when it is a power of two,
+    else the next one (the kernels mask the padding columns: zeros in every product)."""
+    return 1 << (dim - 1).bit_length()
+
+
 @functools.cache
 def _frozen(dtype: torch.dtype, arch: str, dim: int) -> _Frozen:
-    """The frozen configs of the four kernels, looked up once per (dtype, arch, head dim)."""
-    return _Frozen(*(_tiles(launch_config(op, dtype, arch, (dim,))) for op in
+    """The frozen configs of the four kernels, looked up once per (dtype, arch, head dim); they are
+    keyed by the tile width :func:`block_d`, so a padded head runs its tile's configs."""
+    return _Frozen(*(_tiles(launch_config(op, dtype, arch, (block_d(dim),))) for op in
                      ("attention_fwd", "attention_bwd_delta", "attention_bwd_dkdv", "attention_bwd_dq")))
 
 
 def tma_eligible(t: torch.Tensor) -> bool:
     """Whether a ``(B, S, heads, D)`` operand can be read through a descriptor over its
-    ``(B, S, heads * D)`` view: heads side by side (head stride ``D``, unit last stride), a 16-byte
-    aligned base and 16-byte multiples as sample and row strides. Contiguous tensors and views of a
+    ``(B, S, heads * D)`` view: a power-of-two ``D`` (a descriptor box is one whole tile; padded
+    heads load through masked pointers), heads side by side (head stride ``D``, unit last stride),
+    a 16-byte aligned base and 16-byte multiples as sample and row strides. Contiguous tensors and views of a
     fused qkv projection (row stride ``3 * heads * D``) qualify; expanded or head-major (BHSD
     transposed) layouts do not, and their launches run the pointer variant (same bits)."""
     stride_b, stride_s, stride_h, stride_d = t.stride()
     size = t.element_size()
-    return (stride_d == 1 and stride_h == t.shape[3] and t.data_ptr() % 16 == 0
+    return (stride_d == 1 and stride_h == t.shape[3] and block_d(t.shape[3]) == t.shape[3] and t.data_ptr() % 16 == 0
             and (stride_b * size) % 16 == 0 and (stride_s * size) % 16 == 0)
 
 
@@ -370,7 +406,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     _attention_fwd_kernel[(cdiv(seq, t.block_m), batch * heads)](
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma), out, lse2,
         seq, heads, scale * LOG2E, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(out),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=arch == "interp", TMA=tma,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=arch == "interp", TMA=tma,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out, lse2
@@ -393,7 +429,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     delta = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
     _attention_bwd_delta_kernel[(cdiv(seq, frozen.delta.block_m), batch * heads)](
         out, dout, delta, seq, heads, *_sbh(out), *_sbh(dout),
-        BLOCK_M=frozen.delta.block_m, HEAD_DIM=dim,
+        BLOCK_M=frozen.delta.block_m, BLOCK_D=block_d(dim), HEAD_DIM=dim,
         num_warps=frozen.delta.num_warps, num_stages=frozen.delta.num_stages,
     )
     dq = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
@@ -406,7 +442,8 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         kernel[(cdiv(seq, grid_rows), batch * heads)](
             _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
             _operand(dout, t.block_m, tma), lse2, delta, *outputs, *common, *_sbh(dq),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=dim, UPCAST=upcast, TMA=tma, DP_FIRST=t.dp_first,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
+            DP_FIRST=t.dp_first,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
     return dq, dk, dv

@@ -6,7 +6,7 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
-from flowlock.ops._validate import check_index, check_tensor
+from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.adaln.api import check_projection
 from flowlock.ops.final_adaln.reference import final_adaln_out_reference
 from flowlock.ops.final_adaln.triton import FinalAdalnOutFunction, final_forward
@@ -19,25 +19,27 @@ def final_adaln_out(x: torch.Tensor, temb: torch.Tensor, norm_weight: torch.Tens
     """diffusers ``norm_out``: ``rms_norm(x) * (1 + scale[ti]) + shift[ti]`` as one autograd node.
 
     Args:
-        x: ``(..., S, H)`` bfloat16, contiguous (leading dims are samples sharing the indices).
+        x: ``(..., S, H)`` bfloat16, float16 or float32, contiguous (leading dims are samples
+            sharing the indices).
         temb: ``(T, E)`` float32 timestep embeddings.
-        norm_weight: ``(H,)`` bfloat16 ``norm_out.norm.weight``.
-        weight: ``(2H, E)`` bfloat16 ``norm_out.linear.weight`` (rows: shift, then scale).
-        bias: ``(2H,)`` bfloat16 ``norm_out.linear.bias``.
+        norm_weight: ``(H,)`` ``norm_out.norm.weight``, of ``x.dtype``.
+        weight: ``(2H, E)`` ``norm_out.linear.weight`` (rows: shift, then scale), of ``x.dtype``.
+        bias: ``(2H,)`` ``norm_out.linear.bias``, of ``x.dtype``.
         timestep_indices: ``(S,)`` int32/int64 in ``[0, T)`` (timestep rows, not AdaLN rows).
         eps: the RMSNorm epsilon, finite and ``>= 0``.
         check_indices: range-check ``timestep_indices`` (a host readback); ``False`` only for
             indices already validated.
 
     Returns:
-        ``like x`` (bfloat16).
+        ``like x``.
 
-    Guarantees: the ``(T, 2H)`` table is ``bf16(bf16(silu(temb)) @ weight^T + bias)`` held in FP32
-    (as ``adaln_table``); ``1 + scale``, the product and the sum round to BF16 where diffusers
-    rounds; rows pure (batch-invariant), dx row-pure; the shift/scale gradients are fixed-order
-    FP32 segmented sums passed unrounded into the projection backward; every gradient repeatable.
+    Guarantees: the ``(T, 2H)`` table is ``w(w(silu(temb)) @ weight^T + bias)`` held in FP32, ``w``
+    rounding to ``x.dtype`` (as ``adaln_table``); ``1 + scale``, the product and the sum round to
+    ``x.dtype`` where diffusers rounds (nowhere for float32); rows pure (batch-invariant), dx
+    row-pure; the shift/scale gradients are fixed-order FP32 segmented sums passed unrounded into
+    the projection backward; every gradient repeatable.
     """
-    check_tensor("x", x, dtypes=(torch.bfloat16,))
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < 2:
         raise ValueError(f"x must be (..., S, H), got shape {tuple(x.shape)}")
     if not x.is_contiguous():
@@ -46,9 +48,11 @@ def final_adaln_out(x: torch.Tensor, temb: torch.Tensor, norm_weight: torch.Tens
     t, _, h_proj = check_projection(temb, weight, bias, 2)
     if temb.device != x.device:
         raise ValueError(f"temb must be on {x.device}, got {temb.device}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
     if h_proj != h:
         raise ValueError(f"weight must have 2*H = {2 * h} rows for x's H = {h}, got {weight.shape[0]}")
-    check_tensor("norm_weight", norm_weight, dtypes=(torch.bfloat16,), shape=(h,), device=x.device)
+    check_tensor("norm_weight", norm_weight, dtypes=(x.dtype,), shape=(h,), device=x.device)
     if not norm_weight.is_contiguous():
         raise ValueError("norm_weight must be contiguous")
     check_index("timestep_indices", timestep_indices, length=s, upper=t, device=x.device, check_range=check_indices)

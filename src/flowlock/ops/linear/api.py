@@ -10,8 +10,9 @@ from flowlock.ops._validate import check_tensor
 from flowlock.ops.linear.reference import linear_reference
 from flowlock.ops.linear.triton import LinearFunction, linear_forward, lookup, tma_alignment_error
 
-_DTYPES = (torch.bfloat16, torch.float32)
-_OUT_DTYPES = {torch.bfloat16: (torch.bfloat16, torch.float32), torch.float32: (torch.float32,)}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OUT_DTYPES = {torch.bfloat16: (torch.bfloat16, torch.float32), torch.float16: (torch.float16, torch.float32),
+               torch.float32: (torch.float32,)}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -19,8 +20,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T + bias`` with one fixed reduction order per output element.
 
     Shapes: ``x (..., K)`` (any leading shape, last dim contiguous), ``weight (N, K)`` contiguous,
-    ``bias (N,)`` or None -> ``(..., N)``. Dtypes: x, weight and bias all bf16 (output bf16 by
-    default, or fp32 with ``out_dtype=torch.float32``) or all fp32 (true fp32: no TF32 anywhere).
+    ``bias (N,)`` or None -> ``(..., N)``. Dtypes: x, weight and bias all bf16 or all fp16 (output
+    in that dtype by default, or fp32 with ``out_dtype=torch.float32``; fp32 accumulation either
+    way) or all fp32 (true fp32: no TF32 anywhere).
     Zero rows (``x.numel() == 0``) return an empty tensor without launching (their dW and dBias are
     zeros).
 

@@ -11,7 +11,8 @@ dW        outputs N  inputs K    tokens M       A^T = dY (M, N), B = x (M, K)
 ========  =========  ==========  =============  ==================================
 
 Every output element accumulates from zero, ascending over the reduced dimension in blocks of
-``BLOCK_R`` (bf16: ``acc = tl.dot(a, b, acc)``; fp32: each block's dot summed from zero, then added);
+``BLOCK_R`` (bf16 / fp16: ``acc = tl.dot(a, b, acc)``; fp32: each block's dot summed from zero, then
+added, in true fp32);
 out-of-range operand elements are zero on every path. Its bits
 therefore depend only on its own A row, B column and ``BLOCK_R``, never on the tile that holds it,
 the grid, M, N or how columns are fused or sharded. ``BLOCK_R`` comes from ``flowlock.config`` and
@@ -62,7 +63,7 @@ def _tile_coords(tile, n_i, n_j, GROUP_I: tl.constexpr):
 @triton.jit
 def _mma(a, b, acc, FP32_DOT: tl.constexpr):
     # FP32_DOT: fp32 or mixed operands, or the interpreter (which computes bf16 dots wrongly; bf16
-    # products are exact in fp32). "ieee" keeps fp32 out of TF32. The fp32 dot is a chain of FMAs
+    # and fp16 products are exact in fp32). "ieee" keeps fp32 out of TF32. The fp32 dot is a chain of FMAs
     # on the GPU, so each BLOCK_R block is summed from zero and then added: error grows with
     # BLOCK_R + R / BLOCK_R instead of R (measured on an H200: 5x cuBLAS's fp32 dX error over
     # R = 5376 when chained).
@@ -251,11 +252,13 @@ def _num_programs(device_index: int) -> int:
 
 
 def _config_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """Configs are keyed by bf16 only when every operand is bf16; fp32 or mixed use fp32 ones."""
+    """Configs are keyed by bf16 / fp16 only when every operand has that dtype; fp32 or mixed operands
+    use the fp32 ones (they run the fp32 dot)."""
+    first = tensors[0].dtype
     for t in tensors:
-        if t.dtype != torch.bfloat16:
+        if t.dtype != first:
             return torch.float32
-    return torch.bfloat16
+    return first
 
 
 @functools.cache
@@ -299,7 +302,7 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
     i_dim, j_dim = c.shape
     r_dim = a.shape[0] if a_t else a.shape[1]
     interpreted = interpreter_active()
-    fp32_dot = interpreted or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16
+    fp32_dot = interpreted or a.dtype != b.dtype or a.dtype == torch.float32
     soft_bf16 = interpreted and c.dtype == torch.bfloat16
     bi, bj, br, unit = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["UNIT"]
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))

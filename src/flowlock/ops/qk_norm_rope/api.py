@@ -8,7 +8,7 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
-from flowlock.ops._validate import check_tensor
+from flowlock.ops._validate import FLOAT_DTYPES, check_tensor
 from flowlock.ops.qk_norm_rope.reference import qk_norm_rope_reference
 from flowlock.ops.qk_norm_rope.triton import QkNormRopeFunction, qk_norm_rope_forward
 
@@ -18,17 +18,22 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     """H3's per-head QK RMSNorm followed by rotate-half RoPE on the leading ``R`` channels.
 
     Args:
-        x: ``(B, S, heads, D)`` bfloat16, contiguous: q or k after the projection and unflatten.
-        weight: ``(D,)`` bfloat16: ``attn.norm_q.weight`` / ``attn.norm_k.weight``.
-        cos, sin: ``(S, R)`` float32, contiguous, ``R`` even and ``2 <= R <= D``: the rope tables.
+        x: ``(B, S, heads, D)`` float32, bfloat16 or float16, contiguous, any ``D >= 2`` on every
+            backend (the Triton kernel masks a power-of-two row block): q or k after the projection
+            and unflatten.
+        weight: ``(D,)`` of ``x.dtype``: ``attn.norm_q.weight`` / ``attn.norm_k.weight``.
+        cos, sin: ``(S, R)`` float32, contiguous, ``R`` even and ``2 <= R <= D``: the rope tables
+            (``R = 6 * rope_freq_dim``; any such width, so a small ``rope_freq_dim`` rotates a short
+            leading part of the head).
         eps: finite float ``> 0``: the RMSNorm epsilon.
 
-    Returns like ``x``: ``nn.RMSNorm`` rounding (float32 ``x·rsqrt(mean(x²)+eps)·w``, one BF16 store),
-    then diffusers' ``_apply_rotary_emb`` rounding (cos/sin to BF16, each product and the sum to
-    BF16; channels from ``R`` on pass through). Rows (token, head) are pure: batch-invariant. The
+    Returns like ``x``: ``nn.RMSNorm`` rounding (float32 ``x·rsqrt(mean(x²)+eps)·w``, one store in
+    ``x.dtype``), then diffusers' ``_apply_rotary_emb`` rounding (cos/sin to ``x.dtype``, each product
+    and the sum rounded to ``x.dtype``; channels from ``R`` on pass through). For float32 ``x`` every
+    step is plain float32. Rows (token, head) are pure: batch-invariant. The
     weight gradient is a deterministic fixed-tile sum, so repeatable.
     """
-    check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=4)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=4)
     b, s, heads, d = x.shape
     check_tensor("weight", weight, dtypes=(x.dtype,), shape=(d,), device=x.device)
     check_tensor("cos", cos, dtypes=(torch.float32,), ndim=2, device=x.device)

@@ -1,11 +1,13 @@
 """Triton kernels for ``qk_norm_rope``: per-head RMSNorm then rotate-half RoPE, fused.
 
-Forward: one program per (token, head) row of D channels. The rotate-half partner of channel ``j``
-(``j ± R/2``) is recomputed from its own load rather than shuffled across registers, so every value
-is rounded exactly where eager BF16 rounds it. Backward: one program per fixed tile of
-``TILE_ROWS`` rows (a layout constant, never derived from the token count or the GPU); dx rows are
-pure, and the weight gradient is a per-tile float32 partial (rows ascending) folded over tiles by the
-shared fixed-order multi-level ``fold_partials``, then rounded once to bf16: no atomics.
+Forward: one program per (token, head) row of D channels (any D: the row is one power-of-two block,
+masked past D; any even ``R <= D``). The rotate-half partner of channel ``j`` (``j ± R/2``) is
+recomputed from its own load rather than shuffled across registers, so every value is rounded
+exactly where eager rounds it in the input dtype (bf16 or fp16; fp32 rounds nowhere). Backward: one
+program per fixed tile of ``TILE_ROWS`` rows (a layout constant, never derived from the token count
+or the GPU); dx rows are pure, and the weight gradient is a per-tile float32 partial (rows
+ascending) folded over tiles by the shared fixed-order multi-level ``fold_partials``, then rounded
+once to the weight's dtype: no atomics.
 """
 
 from __future__ import annotations
@@ -40,18 +42,19 @@ def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, S, HEADS, 
     partner = tl.where(j < half, j + half, j - half)
     partner = tl.where(rotary, partner, j)
     src = x_ptr + row * D
+    dtype = out_ptr.dtype.element_ty
     x = to_f32(tl.load(src + j, mask=mask, other=0.0))
     inv_rms = _inv_rms(x, mask, D, eps)
-    y = round_f32((x * inv_rms) * to_f32(tl.load(w_ptr + j, mask=mask, other=0.0)), tl.bfloat16)
+    y = round_f32((x * inv_rms) * to_f32(tl.load(w_ptr + j, mask=mask, other=0.0)), dtype)
     xp = to_f32(tl.load(src + partner, mask=mask, other=0.0))
-    yp = round_f32((xp * inv_rms) * to_f32(tl.load(w_ptr + partner, mask=mask, other=0.0)), tl.bfloat16)
+    yp = round_f32((xp * inv_rms) * to_f32(tl.load(w_ptr + partner, mask=mask, other=0.0)), dtype)
     rotated = tl.where(j < half, -yp, yp)
     rmask = mask & rotary
-    c = round_f32(tl.load(cos_ptr + s * R + j, mask=rmask, other=0.0), tl.bfloat16)
-    sn = round_f32(tl.load(sin_ptr + s * R + j, mask=rmask, other=0.0), tl.bfloat16)
-    rope = round_f32(round_f32(y * c, tl.bfloat16) + round_f32(rotated * sn, tl.bfloat16), tl.bfloat16)
+    c = round_f32(tl.load(cos_ptr + s * R + j, mask=rmask, other=0.0), dtype)
+    sn = round_f32(tl.load(sin_ptr + s * R + j, mask=rmask, other=0.0), dtype)
+    rope = round_f32(round_f32(y * c, dtype) + round_f32(rotated * sn, dtype), dtype)
     out = tl.where(rotary, rope, y)
-    tl.store(out_ptr + row * D + j, from_f32(out, tl.bfloat16), mask=mask)
+    tl.store(out_ptr + row * D + j, from_f32(out, dtype), mask=mask)
 
 
 @fast_launch
@@ -68,6 +71,7 @@ def _qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_p
     partner = tl.where(rotary, partner, j)
     # Sign of the partner term in d y_j: rotate_half puts +y_j at j + R/2 and -y_j at j - R/2.
     sign = tl.where(j < half, 1.0, -1.0)
+    dtype = dx_ptr.dtype.element_ty
     w = to_f32(tl.load(w_ptr + j, mask=mask, other=0.0))
     dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
     first = tile.to(tl.int64) * TILE_ROWS
@@ -77,15 +81,15 @@ def _qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_p
         x = to_f32(tl.load(x_ptr + row * D + j, mask=mask, other=0.0))
         g = to_f32(tl.load(g_ptr + row * D + j, mask=mask, other=0.0))
         gp = to_f32(tl.load(g_ptr + row * D + partner, mask=rmask, other=0.0))
-        c = round_f32(tl.load(cos_ptr + s * R + j, mask=rmask, other=0.0), tl.bfloat16)
-        sp = round_f32(tl.load(sin_ptr + s * R + partner, mask=rmask, other=0.0), tl.bfloat16)
+        c = round_f32(tl.load(cos_ptr + s * R + j, mask=rmask, other=0.0), dtype)
+        sp = round_f32(tl.load(sin_ptr + s * R + partner, mask=rmask, other=0.0), dtype)
         dy = tl.where(rotary, g * c + sign * (gp * sp), g)
         inv_rms = _inv_rms(x, mask, D, eps)
         n = x * inv_rms
         dn = dy * w
         dot = tl.sum(tl.where(mask, dn * n, 0.0), axis=0)
         dx = inv_rms * (dn - n * tl.math.div_rn(dot, D * 1.0))
-        tl.store(dx_ptr + row * D + j, from_f32(round_f32(dx, tl.bfloat16), tl.bfloat16), mask=mask)
+        tl.store(dx_ptr + row * D + j, from_f32(round_f32(dx, dtype), dtype), mask=mask)
         dw = dw + tl.where(mask, dy * n, 0.0)
     tl.store(dw_part_ptr + tile.to(tl.int64) * D + j, dw, mask=mask)
 
@@ -98,7 +102,8 @@ def _block_d(d: int) -> int:
 
 def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      eps: float) -> torch.Tensor:
-    """Trusted launcher: contiguous bf16 ``(B, S, heads, D)``, bf16 ``(D,)``, fp32 ``(S, R)`` -> like x."""
+    """Trusted launcher: contiguous ``(B, S, heads, D)`` bf16 / fp16 / fp32, ``(D,)`` of x's dtype, fp32
+    ``(S, R)`` -> like x."""
     b, s, heads, d = x.shape
     out = torch.empty_like(x)
     rows = b * s * heads
@@ -112,8 +117,8 @@ def qk_norm_rope_fwd(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
 
 
 def qk_norm_rope_bwd(x, weight, cos, sin, eps, grad) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trusted launcher: ``(dx like x, dweight (D,) bf16)``; dweight = fixed ``TILE_ROWS``-row tile partials,
-    folded by :func:`fold_partials` and rounded once to bf16 (round to nearest even)."""
+    """Trusted launcher: ``(dx like x, dweight like weight)``; dweight = fixed ``TILE_ROWS``-row tile
+    partials, folded by :func:`fold_partials` and rounded once to the weight's dtype (nearest even)."""
     grad = grad.contiguous()
     b, s, heads, d = x.shape
     rows = b * s * heads

@@ -1,7 +1,8 @@
 """PyTorch spec and FP64 golden of diffusers' SwiGLU activation: ``value * silu(gate)``.
 
 ``h[..., :F]`` is the value and ``h[..., F:]`` the gate (diffusers ``hidden_states.chunk(2, -1)``).
-In eager BF16, SiLU is computed in float32 and stored in BF16, then the product is stored in BF16.
+In eager BF16 / FP16, SiLU is computed in float32 and stored in the input dtype, then the product is
+stored in it; in FP32 both steps are plain float32.
 """
 
 from __future__ import annotations

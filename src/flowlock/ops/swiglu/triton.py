@@ -1,9 +1,10 @@
 """Triton kernels for ``swiglu``: elementwise forward and backward over rows of ``2F`` channels.
 
-Forward reproduces eager BF16 exactly: SiLU as ``g / (1 + exp(-g))`` in float32 with CUDA's precise
-``expf`` and an IEEE division (what torch's CUDA kernel evaluates), rounded to BF16, then the BF16
-product. The interpreter has no libdevice and uses numpy's exp. Backward stays in float32 and rounds
-each gradient once.
+Forward reproduces eager exactly in the input dtype (bf16, fp16 or fp32): SiLU as ``g / (1 + exp(-g))``
+in float32 with CUDA's precise ``expf`` and an IEEE division (what torch's CUDA kernel evaluates),
+rounded to the input dtype, then the product rounded to it (both roundings vanish for fp32). The
+interpreter has no libdevice and uses numpy's exp. Backward stays in float32 and rounds each
+gradient once.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def _swiglu_fwd_kernel(h_ptr, out_ptr, F, BLOCK: tl.constexpr, INTERPRET: tl.con
     src = h_ptr + row * (2 * F)
     value = to_f32(tl.load(src + cols, mask=mask, other=0.0))
     gate = to_f32(tl.load(src + F + cols, mask=mask, other=0.0))
-    act = round_f32(tl.math.div_rn(gate, _sigmoid_parts(gate, INTERPRET)), tl.bfloat16)
-    out = round_f32(value * act, tl.bfloat16)
-    tl.store(out_ptr + row * F + cols, from_f32(out, tl.bfloat16), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    act = round_f32(tl.math.div_rn(gate, _sigmoid_parts(gate, INTERPRET)), dtype)
+    out = round_f32(value * act, dtype)
+    tl.store(out_ptr + row * F + cols, from_f32(out, dtype), mask=mask)
 
 
 @fast_launch
@@ -55,13 +57,14 @@ def _swiglu_bwd_kernel(h_ptr, g_ptr, dh_ptr, F, BLOCK: tl.constexpr, INTERPRET: 
     gate = to_f32(tl.load(src + F + cols, mask=mask, other=0.0))
     grad = to_f32(tl.load(g_ptr + row * F + cols, mask=mask, other=0.0))
     parts = _sigmoid_parts(gate, INTERPRET)
-    act = round_f32(tl.math.div_rn(gate, parts), tl.bfloat16)
+    dtype = dh_ptr.dtype.element_ty
+    act = round_f32(tl.math.div_rn(gate, parts), dtype)
     sig = tl.math.div_rn(1.0, parts)
     d_value = grad * act
     d_gate = (grad * value) * (sig * (1.0 + gate * (1.0 - sig)))
     dst = dh_ptr + row * (2 * F)
-    tl.store(dst + cols, from_f32(round_f32(d_value, tl.bfloat16), tl.bfloat16), mask=mask)
-    tl.store(dst + F + cols, from_f32(round_f32(d_gate, tl.bfloat16), tl.bfloat16), mask=mask)
+    tl.store(dst + cols, from_f32(round_f32(d_value, dtype), dtype), mask=mask)
+    tl.store(dst + F + cols, from_f32(round_f32(d_gate, dtype), dtype), mask=mask)
 
 
 def _launch(kernel, h, *tensors):
@@ -75,7 +78,7 @@ def _launch(kernel, h, *tensors):
 
 
 def swiglu_fwd(h: torch.Tensor) -> torch.Tensor:
-    """Trusted launcher: contiguous ``(..., 2F)`` bf16 -> ``(..., F)`` bf16."""
+    """Trusted launcher: contiguous ``(..., 2F)`` bf16 / fp16 / fp32 -> ``(..., F)`` of the same dtype."""
     out = torch.empty(h.shape[:-1] + (h.shape[-1] // 2,), dtype=h.dtype, device=h.device)
     _launch(_swiglu_fwd_kernel, h, out)
     return out
