@@ -402,7 +402,7 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
                 sig[name] = "i32"
             if sig[name].startswith("*") or name.startswith("stride"):
                 hints[(i,)] = [["tt.divisibility", 16]]
-        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": dim, "UPCAST": False, "TMA": bool(tma)}
+        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": dim, "BLOCK_D": dim, "UPCAST": False, "TMA": bool(tma)}
         if kernel != "fwd":
             consts["DP_FIRST"] = bool(dp_first)
         sig.update(dict.fromkeys(consts, "constexpr"))
