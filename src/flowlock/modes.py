@@ -17,6 +17,8 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 MODES = ("strict", "audit", "provider")
 
 
@@ -93,9 +95,11 @@ _PAIRS: dict[tuple[str, str], tuple[str, str]] = {}
 
 
 def record_run(op: str, backend: str) -> None:
-    """Note that ``op`` ran on ``backend`` in the innermost frame (no-op outside any frame)."""
+    """Note that ``op`` ran on ``backend`` in the innermost frame (no-op outside any frame, and
+    while torch.compile traces: a graph cannot replay a Python list append, and dynamo would guard
+    on the frame's growing record and recompile every call)."""
     stack = getattr(_local, "stack", None)
-    if stack:
+    if stack and not torch.compiler.is_compiling():
         key = (op, backend)
         stack[-1].ran.append(_PAIRS.setdefault(key, key))
 

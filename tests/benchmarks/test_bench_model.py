@@ -80,9 +80,10 @@ def _failing_compile(model, fullgraph, backend):
 
 def test_tiny_run_rows_and_plot(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_model, "compile_blocks", _failing_compile)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
     out = tmp_path / "model.json"
-    assert bench_model.main(TINY_RUN + ["--out", str(out)]) == 0
+    # config.patch restores what main() sets; monkeypatch's undo would delete (hide) the option.
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        assert bench_model.main(TINY_RUN + ["--out", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "model" and payload["complete"] and payload["gate"]["ran"] is False
     assert {"git_commit", "gpu", "torch", "triton"} <= set(payload["environment"])

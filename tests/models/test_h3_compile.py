@@ -110,3 +110,17 @@ def test_rope_tables_are_one_opaque_node_with_eager_bits_under_inductor(monkeypa
     model, positions = make_h3(TINY_H3_CONFIG), tiny_inputs(1)["position_ids"]
     compiled = torch.compile(compiled_rope_cos_sin, fullgraph=True, backend="inductor")
     assert_bitwise_equal(compiled(model.rope.inv_freq, positions), model.rope(positions), "inductor rope tables")
+
+
+@pytest.mark.parametrize("mode", ["strict", "audit"])
+def test_mode_frames_around_compiled_calls_add_no_recompiles(mode):
+    # A frame records which ops ran; that bookkeeping is Python state a graph would guard on.
+    model = _deep_h3()
+    with flowlock.patch(model):
+        backend = _CountingBackend()
+        model.compile_repeated_blocks(fullgraph=True, backend=backend)
+        for seed in (0, 1):
+            with flowlock.mode(mode) as frame:
+                forward_backward(model, tiny_inputs(2, seed=seed), input_grad=True)
+            assert not frame.fallbacks
+    assert len(backend.graphs) == 2
