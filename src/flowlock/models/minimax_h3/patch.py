@@ -19,6 +19,7 @@ import functools
 import inspect
 import types
 
+from flowlock.models.minimax_h3.context_parallel import unsupported_reason as context_parallel_unsupported
 from flowlock.models.minimax_h3.strict import (
     STRICT_MARK,
     Run,
@@ -77,6 +78,10 @@ def strict_model_call(model, arguments, stock):
     if attention_kwargs and attention_kwargs.get("scale", 1.0) != 1.0:
         # diffusers rescales every LoRA layer in place for the call; the strict path does not mutate weights.
         fallback_or_raise("minimax_h3 forward", "a LoRA scale in attention_kwargs is not on the strict path")
+        return stock()
+    reason = context_parallel_unsupported(model)
+    if reason is not None:
+        fallback_or_raise("minimax_h3 context parallelism", reason)
         return stock()
     return strict_forward(model, **arguments)
 

@@ -18,6 +18,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
     MiniMaxH3TransformerBlock,
 )
 
+from flowlock.models.minimax_h3.context_parallel import check_layout as check_context_parallel_layout
 from flowlock.models.minimax_h3.patch import (
     make_patched_forward,
     strict_block_call,
@@ -34,9 +35,11 @@ from flowlock.patching import PatchEntry, PatchHandle
 def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[PatchEntry]:
     """The entries that route ``model`` through the strict path under ``handle.mode``.
 
-    Each original forward is read now, so a pre-existing instance-level ``forward`` (another
+    Raises ValueError for a context-parallel layout no mode can run (a Ulysses degree that does not
+    divide the heads), before anything is patched. Each original forward is read now, so a pre-existing instance-level ``forward`` (another
     wrapper) is what provider mode calls and what ``remove()`` restores.
     """
+    check_context_parallel_layout(model)
     targets = [("", model, MiniMaxH3Transformer3DModel, strict_model_call)]
     targets += [(f"token_refiner.refiner_blocks.{i}", block, MiniMaxH3TokenRefinerBlock, strict_refiner_block_call)
                 for i, block in enumerate(model.token_refiner.refiner_blocks)]

@@ -50,6 +50,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 )
 from torch import nn
 
+from flowlock.models.minimax_h3.context_parallel import sequence_plan
 from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
 from flowlock.models.minimax_h3.structure import module_class, validate_structure
 from flowlock.modes import fallback_or_raise
@@ -64,6 +65,7 @@ from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
 from flowlock.ops.rows import gather_rows, scatter_rows
 from flowlock.ops.swiglu import swiglu
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
+from flowlock.parallel import UlyssesSequence
 
 # Column order of the (3T, 6H) AdaLN table (diffusers' chunk order).
 SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP = range(6)
@@ -111,16 +113,21 @@ class Run:
     gradient-checkpointing recomputation, so a recomputed block makes the same decisions.
     """
 
-    def __init__(self, check_indices: bool, root: nn.Module):
+    def __init__(self, check_indices: bool, root: nn.Module, sequence: UlyssesSequence | None = None):
         self.fallback: set[int] = set()
         self.check_indices = check_indices
+        self.sequence = sequence
         self._root = root
         self._names: dict[int, str] | None = None
+        # Under context parallelism the transformer blocks' attention exchanges rows for heads; the
+        # token refiner's rows are replicated on every rank, so its attention stays local.
+        self._exchanged = set() if sequence is None else {id(b.attn) for b in root.transformer_blocks}
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> Run:
-        """Decisions for a whole-model forward whose structural inputs were validated."""
-        run = cls(check_indices=False, root=model)
+    def for_model(cls, model: nn.Module, sequence: UlyssesSequence | None = None) -> Run:
+        """Decisions for a whole-model forward whose structural inputs were validated; ``sequence``:
+        its Ulysses shards under diffusers context parallelism."""
+        run = cls(check_indices=False, root=model, sequence=sequence)
         for block in model.token_refiner.refiner_blocks:
             run._check_refiner_block(block)
         run._check(model.token_refiner.final_norm, _rms_norm_reason(model.token_refiner.final_norm))
@@ -191,8 +198,8 @@ class Run:
             self._check(attn, f"attention processor {type(processor).__name__} is not diffusers' "
                         "MiniMaxH3AttnProcessor")
             return
-        if processor._parallel_config is not None:
-            self._check(attn, "context-parallel attention is not on the strict path")
+        if processor._parallel_config is not None and self.sequence is None:
+            self._check(attn, "context-parallel attention is on the strict path only inside the model's forward")
             return
         if not _dropout_is_identity(attn.to_out[1]):
             self._check(attn, "attention output dropout is active")
@@ -242,7 +249,7 @@ class Run:
             q, k = self.rms_norm(attn.norm_q, q), self.rms_norm(attn.norm_k, k)
         else:
             q, k = (self._qk_norm_rope(norm, t, rope) for norm, t in ((attn.norm_q, q), (attn.norm_k, k)))
-        out = attention(q, k, v)
+        out = self.sequence.attention(attention, q, k, v) if id(attn) in self._exchanged else attention(q, k, v)
         return self.linear(attn.to_out[0], out.flatten(2, 3))
 
     def _fused_qkv(self, to_qkv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -380,7 +387,8 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
         encoder_hidden_states=encoder_hidden_states, timestep=timestep, timestep_indices=timestep_indices,
         token_tags=token_tags, position_ids=position_ids, video_indices=video_indices,
         audio_indices=audio_indices, text_indices=text_indices)
-    run = Run.for_model(model)
+    sequence = sequence_plan(model, seq_len, hidden_states.shape[0], position_ids.device, STRICT_MARK)
+    run = Run.for_model(model, sequence)
 
     # Seven small launches per forward otherwise; a layout's positions are reused every step.
     inv_freq = model.rope.inv_freq
@@ -401,9 +409,14 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
     temb = _time_embedding(run, model, timestep)
     adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
 
+    if sequence is not None:
+        x, adaln_indices, cos, sin, timestep_indices = (sequence.shard(t, dim) for t, dim in (
+            (x, 1), (adaln_indices, 0), (cos, 0), (sin, 0), (timestep_indices, 0)))
     for block in model.transformer_blocks:
         x = _call_block(model, run, block, x, temb, adaln_indices, (cos, sin))
     x = call_with_run(run, model.norm_out, x, temb, timestep_indices)
+    if sequence is not None:
+        x = sequence.gather(x, 1)
     # diffusers casts to proj_out's dtype for both heads; gathering first moves the same cast.
     head_dtype = get_parameter_dtype(model.proj_out)
     video_rows = gather_rows(x, video_indices, check_indices=False).to(head_dtype)

@@ -1,0 +1,98 @@
+"""diffusers context parallelism (``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``) on
+the strict H3 path, giving one process's bits on every rank.
+
+diffusers' ``_cp_plan`` hooks split the packed sequence at the first block and gather it at the output
+heads; ``flowlock.patch`` (applied after ``enable_parallelism``) replaces those hooked forwards, and the
+strict forward makes the same cut itself with :mod:`flowlock.parallel`:
+
+* replicated on every rank, as in diffusers: the input projections, the token refiner (whose rows
+  are replicated, so its attention stays local: routed through the all-to-all it would attend over
+  the text ``N`` times), the packed buffer, the timestep embedding, RoPE;
+* sharded: ``x``, the per-row AdaLN / timestep indices and RoPE rows, split on
+  ``torch.tensor_split`` boundaries (any ``S``, also ``S < N``); each transformer block's attention
+  exchanges rows for heads; ``norm_out`` runs on the shard and its rows are all-gathered before the
+  output heads select video and audio rows.
+
+The split's backward all-gathers the gradient rows, so the replicated producers (inputs, refiner)
+get the full gradient on every rank: input gradients and their parameters' gradients are the
+single-process bits. Parameters applied to sharded rows (:func:`row_sharded_parameters`) get each
+rank's rows' contribution; :func:`reduce_gradients` sums those over the Ulysses group in one fixed
+order. Ring attention is refused (:func:`unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from flowlock.parallel import Ulysses, UlyssesSequence, check_heads, fold_sum_
+
+# Prefixes of the parameters applied to sharded rows: the blocks, norm_out, and the timestep
+# embedding, whose output feeds the AdaLN tables indexed by sharded rows.
+ROW_SHARDED = ("transformer_blocks.", "norm_out.", "time_embedder.")
+
+
+def context_parallel_config(model: nn.Module):
+    """The ``ContextParallelConfig`` diffusers' ``enable_parallelism`` recorded on ``model``, or None."""
+    config = getattr(model, "_parallel_config", None)
+    return None if config is None else config.context_parallel_config
+
+
+def check_layout(model: nn.Module) -> None:
+    """Refuse a context-parallel layout no mode can run (ValueError with the reason): a Ulysses degree
+    that does not divide the heads. Called by ``flowlock.patch`` and by every forward."""
+    cp = context_parallel_config(model)
+    if cp is not None:
+        check_heads(model.config.num_attention_heads, cp.ulysses_degree, "MiniMax-H3's transformer blocks")
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the strict path cannot serve ``model``'s context-parallel config, or None."""
+    cp = context_parallel_config(model)
+    if cp is not None and cp.ring_degree > 1:
+        return (f"ring attention (ring_degree={cp.ring_degree}) merges per-chunk softmaxes by their LSE, which "
+                "is not one process's bits; use ulysses_degree alone")
+    return None
+
+
+def _check_patch_order(model: nn.Module, strict_mark: str) -> None:
+    for name in ("transformer_blocks.0", "norm_out", "proj_out", "audio_proj_out"):
+        forward = model.get_submodule(name).forward
+        if not (isinstance(forward, types.MethodType) and getattr(forward.__func__, strict_mark, False)):
+            raise RuntimeError(f"{name}.forward is wrapped by diffusers' context-parallel hooks over flowlock's: "
+                               "enable_parallelism ran after flowlock.patch. Remove the patch, enable "
+                               "parallelism, then patch")
+
+
+def sequence_plan(model: nn.Module, seq_len: int, batch: int, device: torch.device,
+                  strict_mark: str) -> UlyssesSequence | None:
+    """The Ulysses shards of one forward of ``model`` over ``seq_len`` rows, or None without context
+    parallelism. Every rank of the group must call it (it checks the layout across the group)."""
+    cp = context_parallel_config(model)
+    if cp is None:
+        return None
+    check_layout(model)
+    _check_patch_order(model, strict_mark)
+    group = cp._ulysses_mesh.get_group()
+    contract = (batch, model.config.num_attention_heads, model.config.hidden_size, len(model.transformer_blocks))
+    return Ulysses(group).for_sequence(seq_len, contract, device=device)
+
+
+def row_sharded_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the parameters whose gradient each rank holds only for its own rows."""
+    return [(n, p) for n, p in model.named_parameters() if n.startswith(ROW_SHARDED)]
+
+
+def reduce_gradients(model: nn.Module) -> None:
+    """After backward under Ulysses: replace the gradients of :func:`row_sharded_parameters` by their
+    sum over the Ulysses group, folded in rank order (:func:`flowlock.parallel.fold_sum_`), so every
+    rank of the group holds the same, repeatable bits. The other gradients are already whole on every
+    rank and are left alone. Under FSDP2 on the data-parallel mesh dimension call it after backward
+    (FSDP2 has reduced over data-parallel ranks); gradients stay sharded. No-op without CP."""
+    cp = context_parallel_config(model)
+    if cp is None:
+        return
+    grads = [p.grad for _, p in row_sharded_parameters(model) if p.grad is not None]
+    fold_sum_(grads, cp._ulysses_mesh.get_group())
