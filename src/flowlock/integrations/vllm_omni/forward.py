@@ -24,6 +24,10 @@ RoPE comes from the positions as the diffusers strict path computes it; a caller
 vLLM-Omni prepared from the same positions gives the same bits).
 
 vLLM's linears return ``(output, bias)``; the patched linears keep that convention.
+
+At TP > 1 (``run.tp``, set up by install()) the GEMMs over vLLM's weight shards go through
+:mod:`flowlock.integrations.vllm_omni.tensor_parallel`, which gives the TP = 1 bits; at TP = 1
+``run.tp`` is None and none of its code or collectives run.
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ def linear_forward(run: NativeRun, module: nn.Module, x: torch.Tensor) -> torch.
     """A vLLM linear's output tensor: flowlock ``linear`` unless this module runs its own forward."""
     if run.runs_own(module):
         return module(x)[0]
+    if run.tp is not None:
+        return run.tp.gathered_linear(module, x)
     return linear(x, module.weight, module.bias)
 
 
@@ -127,8 +133,10 @@ def attention_forward(run: NativeRun, attn: nn.Module, x: torch.Tensor, rope: Ro
                 for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
     # diffusers' default scale 1/sqrt(D) (coverage checked the module's D ** -0.5 equals it to 1e-12).
     parts = [attention(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return linear(out.view(total, inner), attn.out_proj.weight)
+    out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).view(total, inner)
+    if run.tp is not None:
+        return run.tp.k_sharded_linear(attn.out_proj, out)
+    return linear(out, attn.out_proj.weight)
 
 
 def _norm(run: NativeRun, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -145,7 +153,10 @@ def mlp_forward(run: NativeRun, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor
     # native fc1 rows are [gate; up], diffusers' SwiGLU wants [value; gate]: permuting GEMM columns
     # is exact, and swiglu's value * silu(gate) is the bits of vLLM's silu(gate) * up.
     gate, up = h.chunk(2, dim=-1)
-    return linear(swiglu(torch.cat((up, gate), dim=-1)), mlp.fc2.weight)
+    act = swiglu(torch.cat((up, gate), dim=-1))
+    if run.tp is not None:
+        return run.tp.k_sharded_linear(mlp.fc2, act)
+    return linear(act, mlp.fc2.weight)
 
 
 def refiner_block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, cu_seqlens: torch.Tensor,
@@ -179,7 +190,7 @@ def block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, t_emb: t
     docs = documents(cu_seqlens, max_seqlen, packed_total, prefix_request=num_requests == 1)
     rope = _rope(rope_table)
     proj = block.adaln_proj.linear
-    table = adaln_table(t_emb, proj.weight, proj.bias)
+    table = adaln_table(t_emb, proj.weight, proj.bias) if run.tp is None else run.tp.adaln_table(t_emb, proj)
     hidden = x.shape[-1]
     chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
     check, index = run.check_indices, combined_indices
@@ -197,22 +208,24 @@ def block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, t_emb: t
 def time_embedder_forward(run: NativeRun, embedder: nn.Module, t: torch.Tensor) -> torch.Tensor:
     """``MiniMaxH3TimeEmbedder.forward``: ``(M,)`` float32 in [0, 1] -> ``(M, E)`` float32."""
     p, q = embedder.proj_in, embedder.proj_out
+    weights = (p.weight, p.bias, q.weight, q.bias) if run.tp is None else run.tp.time_embedder_weights(embedder)
     sinusoid = timestep_sinusoid(t, check_range=run.check_indices)
-    return timestep_mlp(sinusoid, p.weight, p.bias, q.weight, q.bias)
+    return timestep_mlp(sinusoid, *weights)
 
 
-def _final_rows(final: nn.Module, x: torch.Tensor, t_emb: torch.Tensor, inverse_indices: torch.Tensor,
-                check: bool) -> torch.Tensor:
+def _final_rows(run: NativeRun, final: nn.Module, x: torch.Tensor, t_emb: torch.Tensor,
+                inverse_indices: torch.Tensor, check: bool) -> torch.Tensor:
     """``final_layer``'s modulated rows ``(1, T, hidden)`` bf16, before the heads."""
     ada = final.adaln_proj.linear
-    return final_adaln_out(x.unsqueeze(0), t_emb, final.norm.weight, ada.weight, ada.bias, inverse_indices,
+    weight, bias = (ada.weight, ada.bias) if run.tp is None else run.tp.final_adaln_weights(final)
+    return final_adaln_out(x.unsqueeze(0), t_emb, final.norm.weight, weight, bias, inverse_indices,
                            final.norm.variance_epsilon, check_indices=check)
 
 
 def final_layer_forward(run: NativeRun, final: nn.Module, x: torch.Tensor, *, t_emb: torch.Tensor,
                         inverse_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``MiniMaxH3FinalLayer.forward``: ``(T, hidden)`` bf16 -> both FP32 heads on every row."""
-    h = _final_rows(final, x, t_emb, inverse_indices, run.check_indices)[0].to(final.video_out.weight.dtype)
+    h = _final_rows(run, final, x, t_emb, inverse_indices, run.check_indices)[0].to(final.video_out.weight.dtype)
     return call_with_run(run, final.video_out, h)[0], call_with_run(run, final.audio_out, h)[0]
 
 
@@ -260,7 +273,7 @@ def model_forward(model: nn.Module, kwargs: dict, own_forward) -> tuple[torch.Te
         video, audio = final(hidden, t_emb=t_emb, inverse_indices=inputs.inverse_indices)
         video, audio = video.index_select(0, inputs.out_pos), audio.index_select(0, inputs.audio_pos)
     else:
-        rows = _final_rows(final, hidden, t_emb, inputs.inverse_indices, check=False)
+        rows = _final_rows(run, final, hidden, t_emb, inputs.inverse_indices, check=False)
         head_dtype = final.video_out.weight.dtype
         video = gather_rows(rows, inputs.out_pos, check_indices=False)[0].to(head_dtype)
         audio = gather_rows(rows, inputs.audio_pos, check_indices=False)[0].to(head_dtype)
