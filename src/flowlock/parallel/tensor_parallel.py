@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from flowlock.ops.linear import linear
 from flowlock.parallel.collectives import GatherRows, HeadsToSequence, collective
+from flowlock.parallel.errors import CollectiveError
 from flowlock.parallel.shards import RowShards
 
 
@@ -107,7 +108,11 @@ class TensorParallel:
             raise ValueError(f"k_sharded_linear needs x (S, K/N) and weight (n, K/N), got {tuple(x.shape)} "
                              f"and {tuple(weight.shape)}")
         shards = RowShards(x.shape[0], self.degree, self.rank)
-        # (S, 1, K/N) on every rank -> (s_r, N, K/N): block j is rank j's K block of this rank's rows.
-        rows = HeadsToSequence.apply(x.unsqueeze(1), shards, self.group).flatten(1)
+        # (S, 1, K/N) on every rank -> (s_r, N, K/N): block j is rank j's K block of this rank's rows
+        # (Ulysses' heads-to-sequence exchange with one "head" of width K/N per rank).
+        try:
+            rows = HeadsToSequence.apply(x.unsqueeze(1), shards, self.group).flatten(1)
+        except CollectiveError as err:
+            raise CollectiveError(f"tensor-parallel K-sharded linear (all-to-all to whole-K rows): {err}") from err
         full = self.gather_blocks(weight, dim=1)
         return GatherRows.apply(linear(rows, full, bias), 0, shards, self.group)
