@@ -1,4 +1,5 @@
-"""vLLM-Omni tensor parallel on flowlock: every rank of TP 2, 4 and 8 computes TP = 1's bits.
+"""vLLM-Omni tensor and Ulysses parallel on flowlock: every rank of TP 2, 4, 8 and Ulysses 2, 4
+computes TP = 1's bits.
 
 The real vLLM-Omni 0.30.0 ``MiniMaxH3DiTModel`` is built in vLLM's own distributed environment
 (``initialize_model_parallel(tensor_model_parallel_size=N)``, gloo, one forked process per rank) with
@@ -7,7 +8,9 @@ its diffusers weights sharded by vLLM-Omni's ``load_weights``, and installed str
 three packed requests) are compared with ``torch.equal`` against TP = 1 and against diffusers +
 flowlock. The same comparison catches a planted stock row-parallel linear (partial GEMMs summed by an
 all-reduce). TP = 1 builds no tensor-parallel object and issues no collective. Invalid layouts are
-refused at install, and a rank that raises, dies or stalls ends every rank with an error.
+refused at install, and a rank that raises, dies or stalls ends every rank with an error. Ulysses
+runs in vLLM-Omni's own diffusion groups with its ``_sp_plan`` hooks applied, the token refiner
+replicated.
 """
 
 import json
@@ -15,20 +18,23 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from engine_inputs import make_request, request_rows
 from vllm_omni_tp_jobs import CASES, PG_TIMEOUT_S, TP_CONFIG
 
+from flowlock.integrations.vllm_omni.sequence_parallel import NativeUlysses
 from flowlock.integrations.vllm_omni.tensor_parallel import layout_widths
 from flowlock.parallel.tensor_parallel import check_divisible
 from flowlock.testing import assert_bitwise_equal
 
 HERE = Path(__file__).resolve().parent
 DEGREES = (2, 4, 8)
+ULYSSES = (2, 4)
 FAULT_JOBS = ("failing", "killed", "stuck")
-JOBS = ("tp1", *(f"tp{n}" for n in DEGREES), "disagree", *FAULT_JOBS)
+JOBS = ("tp1", *(f"tp{n}" for n in DEGREES), *(f"sp{n}" for n in ULYSSES), "disagree", *FAULT_JOBS)
 JOB_DEADLINE_S = 300
 
 
@@ -111,6 +117,27 @@ def test_planted_naive_all_reduce_is_caught(jobs, degree):
     for rank, saved in enumerate(_ranks(jobs, f"tp{degree}")):
         assert _mismatches(_outputs(saved, "planted."), reference) == sorted(CASES, key=list(CASES).index), \
             f"TP {degree} rank {rank}: the stock K-split sum went unnoticed"
+
+
+@pytest.mark.parametrize("degree", ULYSSES)
+def test_every_ulysses_rank_gives_tp1_bits(jobs, degree):
+    reference = _outputs(_ranks(jobs, "tp1")[0])
+    ranks = _ranks(jobs, f"sp{degree}")
+    assert len(ranks) == degree
+    for rank, saved in enumerate(ranks):
+        assert saved["ulysses_degree"] == degree
+        assert saved["sp_hooks"] == ["local_sp_prepare", "sp_gather", "sp_prepare"]
+        assert _mismatches(_outputs(saved), reference) == [], f"Ulysses {degree} rank {rank}"
+        # two all-to-alls per DiT block per forward and none for the refiner (its text stays replicated)
+        forwards = saved["collectives.forwards"]
+        assert forwards["all_to_all_single"] == 2 * TP_CONFIG["num_layers"] * len(CASES), forwards
+        assert {k for k, v in forwards.items() if v} == {"all_to_all_single", "all_gather"}, forwards
+
+
+def test_ring_sequence_parallelism_is_refused_at_install():
+    model = SimpleNamespace(parallel_config=SimpleNamespace(ulysses_degree=2, ring_degree=2))
+    with pytest.raises(ValueError, match=r"ring sequence parallelism \(ring_degree 2\) is not on the strict path"):
+        NativeUlysses.for_model(model)
 
 
 def test_invalid_layouts_are_refused_with_the_reason(fresh_native):

@@ -9,7 +9,8 @@ diffusers weights sharded by vLLM-Omni's own ``load_weights``. Rank ``r`` of job
 ``OUT/J/rank{r}.pt``; the launcher writes ``OUT/J/status.json`` (exit codes, ``None`` for a rank it had
 to kill at the deadline, and the wall time).
 
-Jobs: ``tp<N>`` (the exact run, then a planted naive all-reduce; TP = 1 also records the diffusers
+Jobs: ``sp<N>`` (Ulysses N as vLLM-Omni serves it: its diffusion groups, ``ulysses_degree`` and
+its ``_sp_plan`` hooks), ``tp<N>`` (the exact run, then a planted naive all-reduce; TP = 1 also records the diffusers
 strict outputs and counts collectives), ``disagree`` (rank 1 has one block fewer), ``failing``,
 ``killed`` and ``stuck`` (rank 1 raises, dies or stalls inside the forward's third K-sharded GEMM).
 """
@@ -26,6 +27,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "src")]
@@ -35,7 +37,12 @@ import torch.distributed as dist  # noqa: E402
 from engine_inputs import ENGINE_CONFIG, diffusers_kwargs, make_request, native_kwargs  # noqa: E402
 from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm_omni_env import build_native  # noqa: E402
+from vllm_omni.diffusion.data import DiffusionParallelConfig  # noqa: E402
+from vllm_omni.diffusion.distributed import parallel_state as omni_state  # noqa: E402
+from vllm_omni.diffusion.distributed.sp_plan import SequenceParallelConfig  # noqa: E402
+from vllm_omni.diffusion.hooks.sequence_parallel import apply_sequence_parallel  # noqa: E402
+from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMaxH3DiTModel  # noqa: E402
+from vllm_omni_env import build_native, ensure_runtime, native_config, vllm_config  # noqa: E402
 
 import flowlock  # noqa: E402
 from flowlock.integrations.vllm_omni import install  # noqa: E402
@@ -80,20 +87,47 @@ def _count_collectives() -> dict[str, int]:
     return counts
 
 
-def _runtime(rank: int, world: int, port: int) -> None:
+def _runtime(name: str, rank: int, world: int, port: int) -> None:
+    """vLLM's environment for ``tp<N>`` jobs; vLLM-Omni's diffusion groups (Ulysses = world) for ``sp<N>``."""
     config = VllmConfig(device_config=DeviceConfig("cpu"),
                         parallel_config=ParallelConfig(distributed_timeout_seconds=PG_TIMEOUT_S,
                                                        cpu_distributed_timeout_seconds=PG_TIMEOUT_S))
+    init = f"tcp://127.0.0.1:{port}"
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     timeout=timedelta(seconds=PG_TIMEOUT_S))
-        initialize_model_parallel(tensor_model_parallel_size=world)
+        if name.startswith("sp"):
+            # vLLM-Omni's own init wants a device count the CPU platform does not have: the default
+            # group comes first, then vLLM-Omni builds its world, SP and (TP = 1) vLLM groups on it.
+            dist.init_process_group("gloo", init_method=init, world_size=world, rank=rank,
+                                    timeout=timedelta(seconds=PG_TIMEOUT_S))
+            omni_state.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                                    distributed_init_method=init)
+            omni_state.initialize_model_parallel(ulysses_degree=world, sequence_parallel_size=world,
+                                                 data_parallel_size=1, backend="gloo")
+        else:
+            init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=init, timeout=timedelta(seconds=PG_TIMEOUT_S))
+            initialize_model_parallel(tensor_model_parallel_size=world)
 
 
 def _models():
     diffusers = make_h3(TP_CONFIG, seed=0)
     return diffusers, build_native(TP_CONFIG, diffusers.state_dict())
+
+
+def _ulysses_models(degree: int):
+    """The native model as vLLM-Omni serves Ulysses: ``ulysses_degree`` in its parallel config and its
+    ``_sp_plan`` hooks applied."""
+    ensure_runtime()
+    diffusers = make_h3(TP_CONFIG, seed=0)
+    od_config = SimpleNamespace(tf_model_config=native_config(TP_CONFIG), num_gpus=degree,
+                                parallel_config=DiffusionParallelConfig(ulysses_degree=degree, data_parallel_size=1),
+                                cache_config={"minimax_h3_adaln_cache": True})
+    with set_current_vllm_config(vllm_config()):
+        native = MiniMaxH3DiTModel(od_config, None)
+    native.load_weights(diffusers.state_dict().items())
+    native.post_load_weights()
+    apply_sequence_parallel(native, SequenceParallelConfig(ulysses_degree=degree), native._sp_plan)
+    return diffusers, native.eval()
 
 
 def _native_outputs(native) -> dict[str, torch.Tensor]:
@@ -123,6 +157,18 @@ def _naive_k_sharded_linear(self, module, x):
     partial = linear(x, module.weight)
     dist.all_reduce(partial, group=self.tp.group)
     return partial
+
+
+def job_ulysses(rank: int, world: int, out: Path) -> None:
+    _, native = _ulysses_models(world)
+    counts = _count_collectives()
+    with install(native):
+        saved = _native_outputs(native)
+        sequence_parallel = getattr(native, "_flowlock_ulysses", None)
+    saved["collectives.forwards"] = dict(counts)
+    saved["ulysses_degree"] = 0 if sequence_parallel is None else sequence_parallel.degree
+    saved["sp_hooks"] = sorted(n for n, m in native.named_modules() if getattr(m, "_hook_registry", None) is not None)
+    torch.save(saved, out / f"rank{rank}.pt")
 
 
 def job_layout(rank: int, world: int, out: Path) -> None:
@@ -195,6 +241,8 @@ def job_fault(name: str):
 def _job(name: str):
     if name.startswith("tp"):
         return int(name[2:]), job_layout
+    if name.startswith("sp"):
+        return int(name[2:]), job_ulysses
     if name == "disagree":
         return 2, job_disagree
     return 2, job_fault(name)
@@ -210,7 +258,7 @@ def _child(name: str, rank: int, world: int, port: int, out: Path) -> None:
     start = time.monotonic()
     code = 0
     try:
-        _runtime(rank, world, port)
+        _runtime(name, rank, world, port)
         _job(name)[1](rank, world, out)
         print(f"rank {rank} ok", flush=True)
     except BaseException as err:  # noqa: BLE001 - the log names whatever ended this rank

@@ -7,9 +7,10 @@ softmax attention whatever dense backend vLLM-Omni resolved (flowlock replaces t
 so FLASH_ATTN, cuDNN, SDPA and the others give one answer). Not served, each named with its module:
 a quantized linear, a bias where H3 has none (or none where it has one), another layer type (a
 LoRA wrapper), a TP degree other than install()'s, sparse or approximate attention backends
-(VSA, Sage, RainFusion, TRT-LLM), VSA gates, quantized KV, ring / Ulysses sequence parallelism,
-Cache-DiT and any vLLM-Omni hook (TeaCache, offload, SP), whose effect on the arithmetic the strict
-path cannot vouch for.
+(VSA, Sage, RainFusion, TRT-LLM), VSA gates, quantized KV, ring sequence parallelism, a Ulysses
+degree other than install()'s, Cache-DiT and any vLLM-Omni hook (TeaCache, offload; SP hooks
+other than the ``_sp_plan`` split / gather, which the strict forward never calls), whose effect on
+the arithmetic the strict path cannot vouch for.
 
 Strict mode raises :class:`flowlock.StrictModeError` at the first such module; audit mode records
 it and lets that module (for a model-level reason, the whole model) run its own forward.
@@ -38,6 +39,8 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
     MiniMaxH3TokenRefinerBlock,
 )
 
+from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.sequence_parallel import SP_PLAN_MODULES
 from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
 from flowlock.modes import fallback_or_raise
 
@@ -89,6 +92,10 @@ class NativeRun:
         # TP > 1 operations install() set up on this module (None at TP = 1: no TP code runs)
         self.tp = getattr(root, TP_ATTRIBUTE, None)
         self.tp_size = 1 if self.tp is None else self.tp.degree
+        # likewise Ulysses; ``sequence`` is the root forward's row shards once it has split the rows
+        self.sp = getattr(root, SP_ATTRIBUTE, None)
+        self.sp_degree = 1 if self.sp is None else self.sp.degree
+        self.sequence = None
 
     @classmethod
     def for_model(cls, model: nn.Module) -> NativeRun:
@@ -120,17 +127,20 @@ class NativeRun:
             run._check(module, linear_reason(module, biased=module.bias is not None, tp_size=run.tp_size))
         return run
 
-    @staticmethod
-    def _model_reason(model: nn.Module) -> str | None:
+    def _model_reason(self, model: nn.Module) -> str | None:
         if getattr(model, "_is_cached", False):
             return "Cache-DiT is enabled (it reuses or skips block outputs)"
         config = model.parallel_config
-        for degree in ("ulysses_degree", "ring_degree"):
-            if int(getattr(config, degree, 1) or 1) != 1:
-                return f"sequence parallelism ({degree} {getattr(config, degree)}; the strict path serves 1)"
+        served = {"ulysses_degree": self.sp_degree, "ring_degree": 1}
+        for degree, serves in served.items():
+            if int(getattr(config, degree, 1) or 1) != serves:
+                return (f"sequence parallelism ({degree} {getattr(config, degree)}; install() set up the strict "
+                        f"path for {serves})")
         if model.vsa_gates_enabled:
             return "VSA gates are enabled (sparse attention)"
         for name, module in model.named_modules():
+            if self.sp is not None and name in SP_PLAN_MODULES:
+                continue  # vLLM-Omni's SP split / gather hooks: the strict forward never calls these modules
             reason = hook_reason(module)
             if reason is not None:
                 return f"{reason} on {name or '<root>'}"
