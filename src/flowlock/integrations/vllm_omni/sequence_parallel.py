@@ -40,6 +40,8 @@ class NativeUlysses:
     def for_model(cls, model: nn.Module) -> NativeUlysses | None:
         """None at ``ulysses_degree`` 1 (nothing built, no collective); else vLLM-Omni's Ulysses group.
 
+        Also None when vLLM-Omni's diffusion groups are not initialized (a ``ulysses_degree`` this
+        process cannot run): coverage then refuses the model at its forward, naming the degree.
         Raises ValueError naming the reason for a layout the strict path does not serve: ring or
         hybrid sequence parallelism, Ulysses together with TP > 1, a degree that does not divide the
         heads, or a vLLM-Omni SP group of another size.
@@ -53,8 +55,10 @@ class NativeUlysses:
             raise ValueError(f"ring sequence parallelism (ring_degree {ring}) is not on the strict path: ring "
                              "attention merges partial softmaxes and is not one process's bits")
         from vllm.distributed.parallel_state import get_tp_group
-        from vllm_omni.diffusion.distributed.parallel_state import get_sp_group
+        from vllm_omni.diffusion.distributed.parallel_state import get_sp_group, model_parallel_is_initialized
 
+        if not model_parallel_is_initialized():
+            return None
         if get_tp_group().world_size != 1:
             raise ValueError(f"Ulysses degree {degree} with tensor parallel size {get_tp_group().world_size} is "
                              "not on the strict path (each is served alone)")
