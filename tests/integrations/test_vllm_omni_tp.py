@@ -38,16 +38,31 @@ JOBS = ("tp1", *(f"tp{n}" for n in DEGREES), *(f"sp{n}" for n in ULYSSES), "disa
 JOB_DEADLINE_S = 300
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Run every job once (one launcher process: vLLM is imported once); return its output folder."""
-    root = tmp_path_factory.mktemp("vllm_omni_tp")
+def _launch(root: Path, jobs: tuple[str, ...]) -> Path:
+    """Run ``jobs`` in one launcher process (vLLM is imported once); return their output folder."""
     env = dict(os.environ, FLOWLOCK_JOB_DEADLINE_S=str(JOB_DEADLINE_S),
                PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "vllm_omni_tp_jobs.py"), str(root), *JOBS], env=env,
-                          capture_output=True, text=True, timeout=JOB_DEADLINE_S * len(JOBS))
+    done = subprocess.run([sys.executable, str(HERE / "vllm_omni_tp_jobs.py"), str(root), *jobs], env=env,
+                          capture_output=True, text=True, timeout=JOB_DEADLINE_S * len(jobs))
     assert done.returncode == 0, done.stderr[-4000:]
     return root
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("vllm_omni_tp"), JOBS)
+
+
+@pytest.mark.slow
+def test_interpreted_kernels_on_tp2_ranks_give_tp1_bits(tmp_path):
+    # The Triton kernels a GPU rollout runs, interpreted (about 2.5 min of CPU), on vLLM's weight
+    # shards (AdaLN rows, fc1 halves, 96 / N output columns) and 13 / 12 row shards of 25 rows.
+    root = _launch(tmp_path, ("tp1i", "tp2i"))
+    (reference,) = _ranks(root, "tp1i")
+    for rank, saved in enumerate(_ranks(root, "tp2i")):
+        assert saved["backends"] == reference["backends"] == ["triton"]
+        assert_bitwise_equal((saved["unpadded.video"], saved["unpadded.audio"]),
+                             (reference["unpadded.video"], reference["unpadded.audio"]), f"interpreted rank {rank}")
 
 
 def _status(root: Path, job: str) -> dict:

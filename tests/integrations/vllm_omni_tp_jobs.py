@@ -10,7 +10,8 @@ diffusers weights sharded by vLLM-Omni's own ``load_weights``. Rank ``r`` of job
 to kill at the deadline, and the wall time).
 
 Jobs: ``sp<N>`` (Ulysses N as vLLM-Omni serves it: its diffusion groups, ``ulysses_degree`` and
-its ``_sp_plan`` hooks), ``tp<N>`` (the exact run, then a planted naive all-reduce; TP = 1 also records the diffusers
+its ``_sp_plan`` hooks), ``tp<N>i`` (flowlock's Triton kernels, interpreted, one request),
+``tp<N>`` (the exact run, then a planted naive all-reduce; TP = 1 also records the diffusers
 strict outputs and counts collectives), ``disagree`` (rank 1 has one block fewer), ``failing``,
 ``killed`` and ``stuck`` (rank 1 raises, dies or stalls inside the forward's third K-sharded GEMM).
 """
@@ -31,6 +32,8 @@ from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "src")]
+# as tests/conftest.py: Triton runs under its CPU interpreter (the ``i`` jobs run flowlock's kernels)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -60,9 +63,13 @@ CASES = {
     "packed": [dict(seed=5), dict(seed=6, text_len=7, latent_t=1, audio_t=3, t_video=0.7, t_audio=0.2),
                dict(seed=7, keyframe=True, seq_len=41)],
 }
+INTERPRETED_CASES = {"unpadded": CASES["unpadded"]}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "all_to_all",
                "reduce_scatter", "reduce_scatter_tensor", "broadcast", "reduce", "send", "recv", "barrier")
+# The process-group timeout of the ``stuck`` job; the others wait long enough for a loaded CI machine
+# (an interpreted rank can run a minute ahead of its peer).
 PG_TIMEOUT_S = 5
+SLOW_PG_TIMEOUT_S = 300
 FAULT_CALL = 3
 
 
@@ -89,23 +96,25 @@ def _count_collectives() -> dict[str, int]:
 
 def _runtime(name: str, rank: int, world: int, port: int) -> None:
     """vLLM's environment for ``tp<N>`` jobs; vLLM-Omni's diffusion groups (Ulysses = world) for ``sp<N>``."""
+    seconds = PG_TIMEOUT_S if name == "stuck" else SLOW_PG_TIMEOUT_S
+    timeout = timedelta(seconds=seconds)
     config = VllmConfig(device_config=DeviceConfig("cpu"),
-                        parallel_config=ParallelConfig(distributed_timeout_seconds=PG_TIMEOUT_S,
-                                                       cpu_distributed_timeout_seconds=PG_TIMEOUT_S))
+                        parallel_config=ParallelConfig(distributed_timeout_seconds=seconds,
+                                                       cpu_distributed_timeout_seconds=seconds))
     init = f"tcp://127.0.0.1:{port}"
     with set_current_vllm_config(config):
         if name.startswith("sp"):
             # vLLM-Omni's own init wants a device count the CPU platform does not have: the default
             # group comes first, then vLLM-Omni builds its world, SP and (TP = 1) vLLM groups on it.
             dist.init_process_group("gloo", init_method=init, world_size=world, rank=rank,
-                                    timeout=timedelta(seconds=PG_TIMEOUT_S))
+                                    timeout=timeout)
             omni_state.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                                     distributed_init_method=init)
             omni_state.initialize_model_parallel(ulysses_degree=world, sequence_parallel_size=world,
                                                  data_parallel_size=1, backend="gloo")
         else:
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
-                                         distributed_init_method=init, timeout=timedelta(seconds=PG_TIMEOUT_S))
+                                         distributed_init_method=init, timeout=timeout)
             initialize_model_parallel(tensor_model_parallel_size=world)
 
 
@@ -136,6 +145,17 @@ def _native_outputs(native) -> dict[str, torch.Tensor]:
         for case, specs in CASES.items():
             out[f"{case}.video"], out[f"{case}.audio"] = native(**native_kwargs([make_request(**s) for s in specs]))
     return out
+
+
+def job_interpreted(rank: int, world: int, out: Path) -> None:
+    """The kernels a GPU rollout runs (Triton, interpreted) on one uneven request (25 rows)."""
+    _, native = _models()
+    ((case, specs),) = INTERPRETED_CASES.items()
+    with torch.no_grad(), install(native), flowlock.use_backend("triton"), flowlock.mode("strict") as frame:
+        video, audio = native(**native_kwargs([make_request(**s) for s in specs]))
+    saved = {f"{case}.video": video, f"{case}.audio": audio,
+             "backends": sorted({backend for _, backend in frame.ran})}
+    torch.save(saved, out / f"rank{rank}.pt")
 
 
 def _diffusers_outputs(diffusers) -> dict[str, torch.Tensor]:
@@ -239,6 +259,8 @@ def job_fault(name: str):
 
 
 def _job(name: str):
+    if name.startswith("tp") and name.endswith("i"):
+        return int(name[2:-1]), job_interpreted
     if name.startswith("tp"):
         return int(name[2:]), job_layout
     if name.startswith("sp"):
