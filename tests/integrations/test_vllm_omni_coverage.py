@@ -16,6 +16,7 @@ from vllm_omni_env import vllm_config
 
 import flowlock
 from flowlock.integrations.vllm_omni import install
+from flowlock.testing import assert_bitwise_equal
 
 
 class _FakeQuant(LinearMethodBase):
@@ -92,7 +93,7 @@ def test_strict_names_the_module_before_any_op(fresh_native, defect):
     assert frame.ran == []
 
 
-@pytest.mark.parametrize("defect", ["biased", "backend"])
+@pytest.mark.parametrize("defect", ["biased", "backend", "cache_dit"])
 def test_audit_records_the_fallback_and_runs_the_module_itself(fresh_native, defect):
     damage, module, reason = DEFECTS[defect]
     damage(fresh_native)
@@ -104,6 +105,10 @@ def test_audit_records_the_fallback_and_runs_the_module_itself(fresh_native, def
     kwargs = native_kwargs([make_request(seed=1)])
     with install(fresh_native, mode="audit") as handle, torch.no_grad():
         video, audio = fresh_native(**kwargs)
+        if defect == "cache_dit":
+            # a model-level refusal runs vLLM-Omni's whole forward: its own bits
+            with flowlock.mode("provider"):
+                assert_bitwise_equal((video, audio), fresh_native(**kwargs), "audit fallback vs stock")
     assert [f.op for f in handle.fallbacks] == [f"vllm_omni minimax_h3 {module}"]
     assert reason in handle.fallbacks[0].reason
     assert video.isfinite().all() and audio.isfinite().all()

@@ -13,7 +13,8 @@ other than the ``_sp_plan`` split / gather, which the strict forward never calls
 the arithmetic the strict path cannot vouch for.
 
 Strict mode raises :class:`flowlock.StrictModeError` at the first such module; audit mode records
-it and lets that module (for a model-level reason, the whole model) run its own forward.
+it and lets that module run its own forward (for a model-level reason, the whole forward runs
+vLLM-Omni's path, submodules included).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from torch import nn
 from flowlock.integrations.vllm_omni.coverage import NativeRun
 from flowlock.integrations.vllm_omni.inputs import documents, parse_inputs
 from flowlock.models.minimax_h3.strict import STRICT_MARK, rope_cos_sin
+from flowlock.modes import mode
 from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.attention import attention
@@ -252,7 +253,9 @@ def model_forward(model: nn.Module, kwargs: dict, own_forward) -> tuple[torch.Te
     inputs = parse_inputs(kwargs, model.video_patch_proj.input_size, model.audio_patch_proj.input_size)
     run = NativeRun.for_model(model)
     if run.runs_own(model):
-        return own_forward()
+        # a model-level refusal (audit): vLLM-Omni's path for the whole forward, submodules included
+        with mode("provider"):
+            return own_forward()
     s = inputs.seq_len
     if inputs.rope_table is None:
         inv_freq, positions = model.rope.inv_freq, inputs.img_position_ids
