@@ -273,6 +273,8 @@ SUITES = (("chain", _suite_chain), ("trace_strict", _suite_trace), ("rl_consiste
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if getattr(args, "layout", None):
+        return _check_layout(args)
     device = _device(args.device)
     model, origin = _load_model(None, device)
     print(f"flowlock check: {origin} on {device}")
@@ -288,6 +290,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0 if all(r["passed"] for r in results.values()) else 1
+
+
+def _check_layout(args: argparse.Namespace) -> int:
+    from flowlock.validate.layout import check_layout
+
+    try:
+        report = check_layout(args.layout)
+    except ValueError as err:
+        print(f"flowlock check: {err}", file=sys.stderr)
+        return 2
+    print(f"flowlock check --layout {report['layout']}: {'PASS' if report['passed'] else 'FAIL'} "
+          f"({report['world']} gloo ranks, {report['wall_s']} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["passed"] else 1
 
 
 def _repo_root() -> Path:
@@ -347,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
         p.add_argument("--json", default=None)
         p.set_defaults(func=func)
+    sub.choices["check"].add_argument("--layout", default=None, help="instead: the layout suite on gloo "
+                                      "subprocesses (ulysses=2, ulysses=4, dp=2,ulysses=2)")
     bench = sub.add_parser("bench", help="run benchmark scripts (each gated by its CPU tests)")
     bench.add_argument("names", nargs="*", metavar="NAME",
                        help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)})")

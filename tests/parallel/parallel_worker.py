@@ -1,13 +1,14 @@
-"""One rank of a gloo job started by ``parallel_launch.launch``: ``python parallel_worker.py SCENARIO``.
+"""One rank of a gloo test job: ``python parallel_worker.py SCENARIO`` (started by ``parallel_launch``).
 
+The layout checks themselves are ``flowlock check --layout``'s (:mod:`flowlock.validate.layout_worker`);
+here they run with poisoned allocations, followed by what only tests do: planted non-invariant
+pieces that the same checks must catch, refusals, and ranks that die, raise or stop responding.
 Each scenario asserts as it goes (a failure exits non-zero with the traceback) and ends by printing
-``rank <r> ok``. Allocations are poisoned as in the in-process tests. Single-process references are
-computed on every rank from the same seeded weights and inputs.
+``rank <r> ok``.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import sys
@@ -22,15 +23,20 @@ from torch.distributed.fsdp import fully_shard
 import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 import flowlock.models.minimax_h3.strict as h3_strict
-from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, make_h3, tiny_h3, tiny_inputs
+from flowlock.models.minimax_h3 import build_layout, tiny_h3, tiny_inputs
 from flowlock.parallel import CollectiveError
 from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
-
-LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
-BATCH = 2
-FOUR_HEADS = dict(TINY_H3_CONFIG, num_attention_heads=4)
-# S = 24 (a multiple of 2 and 4), 25 (of neither), 3 (fewer rows than 4 ranks: a zero-row shard).
-LAYOUTS = (build_layout(5, 2, 2, 3, 7), build_layout(5, 2, 2, 3, 8), build_layout(1, 1, 1, 1, 1))
+from flowlock.validate.layout_worker import (
+    BATCH,
+    LAYOUTS,
+    _local,
+    check_fsdp_ulysses,
+    check_ulysses,
+    cp_model,
+    forward_backward,
+    init,
+    reduce_and_check,
+)
 
 
 def _poison_allocations() -> None:
@@ -43,111 +49,15 @@ def _poison_allocations() -> None:
         setattr(torch, name, poisoned)
 
 
-def _init() -> int:
-    # diffusers' enable_parallelism puts rank r on accelerator r % torch.accelerator.device_count(),
-    # a ZeroDivisionError on a CPU-only machine; these ranks all use the one CPU "device".
-    if torch.accelerator.device_count() == 0:
-        torch.accelerator.device_count = lambda: 1
-    _poison_allocations()
-    timeout = datetime.timedelta(seconds=float(os.environ["FLOWLOCK_PG_TIMEOUT"]))
-    dist.init_process_group("gloo", timeout=timeout)
-    return dist.get_rank()
-
-
-def model_for(degree: int):
-    """The tiny H3 (2 heads) for degree <= 2, the same with 4 heads for degree 4."""
-    return tiny_h3() if degree <= 2 else make_h3(FOUR_HEADS)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def forward_backward(model, inputs: dict, rows: slice = slice(None), seed: int = 5):
-    """Outputs and latent gradients of the samples ``rows`` of ``inputs`` (a batch of ``BATCH``), as a
-    tuple of 5, and {name: this rank's parameter gradient}; cotangents are drawn for the whole batch
-    and sliced the same way, so a sample's cotangent does not depend on which rank runs it."""
-    model.zero_grad(set_to_none=True)
-    inputs = {k: (v[rows].clone().requires_grad_() if k in LATENTS else v) for k, v in inputs.items()}
-    out = model(**inputs)
-    gen = torch.Generator().manual_seed(seed)
-    outs = (out.sample, out.audio_sample)
-    cot = [torch.randn((BATCH, *t.shape[1:]), generator=gen)[rows].to(t.dtype) for t in outs]
-    torch.autograd.backward(list(outs), cot)
-    grads = {n: _local(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return (out.sample.detach(), out.audio_sample.detach(), *(inputs[k].grad for k in LATENTS)), grads
-
-
-def cp_model(degree: int, base=None, **config):
-    """``base`` (default: :func:`model_for`) under diffusers' ``enable_parallelism`` with Ulysses ``degree``."""
-    model = base if base is not None else model_for(degree)
-    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, **config))
-    return model
-
-
-def rank_order_fold(tensors: dict, group) -> dict:
-    """The fold contract, written out: all ranks' values, summed left in rank order in fp32, rounded once."""
-    folded = {}
-    for name, t in tensors.items():
-        parts = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        acc = parts[0].float().clone()
-        for part in parts[1:]:
-            acc += part.float()
-        folded[name] = acc.to(t.dtype)
-    return folded
-
-
-def reduce_and_check(model, grads: dict, sharded: set, what: str) -> dict:
-    """Reduce ``model``'s row-sharded gradients (``grads`` holds their per-rank partials); assert they
-    are the rank-order fold of the partials (so the same on every rank); return them."""
-    h3_cp.reduce_gradients(model)
-    reduced = {n: _local(p.grad).clone() for n, p in model.named_parameters() if n in sharded}
-    spec = rank_order_fold({n: grads[n] for n in reduced}, h3_cp.context_parallel_config(model)._ulysses_mesh.get_group())
-    assert_bitwise_equal(list(reduced.values()), list(spec.values()), what + " folded parameter gradients")
-    return reduced
-
-
-def check_layout_equals_one_process(ref, model, inputs, rows, sharded, what) -> tuple:
-    """Forward + backward of ``model`` (patched, context parallel) on the samples ``rows``: outputs,
-    latent gradients and the gradients of parameters outside the sharded region bitwise those of
-    ``ref`` (one process, whole batch); sharded-region gradients folded and repeatable."""
-    expected, ref_grads = forward_backward(ref, inputs)
-    expected = tuple(t[rows] for t in expected)
-    with flowlock.mode("strict") as frame:
-        got, grads = forward_backward(model, inputs, rows)
-    assert ("attention", "reference") in frame.ran, frame.ran
-    assert_bitwise_equal(got, expected, what + " outputs and latent gradients")
-    reduced = reduce_and_check(model, grads, sharded, what)
-    _, again = forward_backward(model, inputs, rows)
-    assert_bitwise_equal([again[n] for n in reduced], [grads[n] for n in reduced], what + " repeated partials")
-    h3_cp.reduce_gradients(model)
-    assert_bitwise_equal([_local(p.grad) for n, p in model.named_parameters() if n in reduced],
-                         list(reduced.values()), what + " repeated folded gradients")
-    print(f"{what}: outputs and latent gradients equal one process, folded gradients repeat", flush=True)
-    if rows == slice(None):
-        # Not bitwise (each rank's partial is rounded to the parameter dtype before the fold): reported.
-        worst = max((reduced[n].double() - ref_grads[n].double()).abs().max().item()
-                    / max(ref_grads[n].double().abs().max().item(), 1e-30) for n in reduced)
-        print(f"{what}: sharded-region gradients vs one process, max error / max |g| = {worst:.2e}", flush=True)
-    return grads, ref_grads
-
-
 def scenario_ulysses(rank: int) -> None:
-    n = dist.get_world_size()
-    ref, model = model_for(n), cp_model(n)
-    sharded = {name for name, _ in h3_cp.row_sharded_parameters(model)}
-    with flowlock.patch(ref), flowlock.patch(model):
-        for layout in LAYOUTS:
-            what = f"Ulysses {n}, S={layout.seq_len}, rank {rank}"
-            inputs = tiny_inputs(BATCH, seed=1, layout=layout)
-            grads, ref_grads = check_layout_equals_one_process(ref, model, inputs, slice(None), sharded, what)
-            whole = sorted(set(grads) - sharded)
-            assert whole and len(sharded) > len(whole)
-            assert_bitwise_equal([grads[k] for k in whole], [ref_grads[k] for k in whole],
-                                 what + " replicated-region parameter gradients")
+    def plants(ref, model, sharded):
         planted_row_count_gemm(ref, model, rank)
         planted_naive_all_reduce(model, sharded, rank)
+        if dist.get_world_size() == 2:
+            checkpointed_blocks(ref, rank)
+
+    check_ulysses(rank, plants)
+    n = dist.get_world_size()
     if n == 2:
         refusals_two_ranks(rank)
     else:
@@ -228,33 +138,40 @@ def refusals_two_ranks(rank: int) -> None:
     except RuntimeError as err:
         assert "enable_parallelism ran after flowlock.patch" in str(err), err
     mismatch = cp_model(2)
+    # Same S = 24 on both ranks, different packings: only the layout fingerprint tells them apart.
+    layout = build_layout(5, 2, 2, 3, 7) if rank == 0 else build_layout(4, 2, 2, 3, 8)
     with flowlock.patch(mismatch):
         try:
-            mismatch(**tiny_inputs(BATCH, seed=1, layout=LAYOUTS[rank]))
+            mismatch(**tiny_inputs(BATCH, seed=1, layout=layout))
             raise AssertionError("ranks with different layouts were not refused")
         except ValueError as err:
             assert "disagree on the layout" in str(err), err
     print(f"rank {rank}: ring, patch order and a per-rank layout mismatch refused", flush=True)
 
 
+def checkpointed_blocks(ref, rank: int) -> None:
+    """diffusers' gradient checkpointing recomputes each block, its all-to-alls included, in backward."""
+    model = cp_model(2)
+    model.enable_gradient_checkpointing()
+    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    expected, _ = forward_backward(ref, inputs)
+    with flowlock.patch(model):
+        got, _ = forward_backward(model, inputs)
+    assert_bitwise_equal(got, expected, f"checkpointed Ulysses 2, rank {rank}")
+    print(f"rank {rank}: gradient-checkpointed blocks equal one process", flush=True)
+
+
 def scenario_fsdp_ulysses(rank: int) -> None:
-    """FSDP2 over the data-parallel dimension of a (dp 2, ring 1, ulysses 2) mesh, Ulysses over the last;
-    the two data-parallel groups run different samples."""
-    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "ring", "ulysses"))
-    dp = mesh["dp"].get_local_rank()
-    ref = model_for(2)
-    model = cp_model(2, mesh=mesh)
-    sharded = {name for name, _ in h3_cp.row_sharded_parameters(model)}
-    for module in [*model.token_refiner.refiner_blocks, *model.transformer_blocks, model.norm_out]:
-        fully_shard(module, mesh=mesh["dp"])
-    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
-        fully_shard(model.get_submodule(name), mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    with flowlock.patch(ref), flowlock.patch(model):
-        for layout in LAYOUTS[:2]:
-            what = f"FSDP2 dp 2 x Ulysses 2, S={layout.seq_len}, rank {rank}"
-            check_layout_equals_one_process(ref, model, tiny_inputs(BATCH, seed=1, layout=layout),
-                                            slice(dp, dp + 1), sharded, what)
+    mesh = check_fsdp_ulysses(rank)
+    across = cp_model(2, mesh=mesh)
+    fully_shard(across.transformer_blocks[0], mesh=init_device_mesh("cpu", (4,)))
+    with flowlock.patch(across):
+        try:
+            across(**tiny_inputs(BATCH, seed=1))
+            raise AssertionError("an FSDP2 mesh spanning the Ulysses peers was not refused")
+        except ValueError as err:
+            assert "spans Ulysses peers" in str(err), err
+    print(f"rank {rank}: an FSDP2 mesh spanning the Ulysses peers refused", flush=True)
 
 
 def _faulty(rank: int, fault) -> None:
@@ -286,7 +203,8 @@ def scenario_stuck_rank(rank: int) -> None:
 
 
 def main() -> None:
-    rank = _init()
+    _poison_allocations()
+    rank = init()
     globals()["scenario_" + sys.argv[1]](rank)
     dist.destroy_process_group()
     print(f"rank {rank} ok", flush=True)

@@ -7,7 +7,8 @@ of one process; the sharded region's gradients are the rank-order fold of the pe
 (the same on every rank) and repeat bitwise. The same checks catch a planted row-count-dependent
 linear (both degrees) and a planted naive all-reduce in place of the fold (N = 4; at N = 2 a
 two-term sum is the same either way). N = 2 also checks the refusals (ring, patch before
-``enable_parallelism``, ranks disagreeing on the layout), N = 4 a degree that does not divide the heads.
+``enable_parallelism``, ranks holding different packings of the same S) and gradient-checkpointed
+blocks; N = 4 refuses a degree that does not divide the heads.
 """
 
 import pytest
@@ -25,6 +26,7 @@ def test_ulysses_equals_one_process(world):
             assert f"planted naive all-reduce of bf16/fp32 partials over {world} ranks caught" in out
         else:
             assert "ring, patch order and a per-rank layout mismatch refused" in out
+            assert "gradient-checkpointed blocks equal one process" in out
 
 
 def test_fsdp2_dp2_times_ulysses2_equals_one_process():
@@ -32,3 +34,4 @@ def test_fsdp2_dp2_times_ulysses2_equals_one_process():
     for out in assert_all_ok(ranks):
         for seq in (24, 25):
             assert f"FSDP2 dp 2 x Ulysses 2, S={seq}," in out
+        assert "an FSDP2 mesh spanning the Ulysses peers refused" in out

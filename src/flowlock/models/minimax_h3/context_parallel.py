@@ -27,6 +27,7 @@ import types
 import torch
 from torch import nn
 
+from flowlock.ops._validate import memoized_over
 from flowlock.parallel import Ulysses, UlyssesSequence, check_heads, fold_sum_
 
 # Prefixes of the parameters applied to sharded rows: the blocks, norm_out, and the timestep
@@ -66,17 +67,51 @@ def _check_patch_order(model: nn.Module, strict_mark: str) -> None:
                                "parallelism, then patch")
 
 
-def sequence_plan(model: nn.Module, seq_len: int, batch: int, device: torch.device,
-                  strict_mark: str) -> UlyssesSequence | None:
-    """The Ulysses shards of one forward of ``model`` over ``seq_len`` rows, or None without context
-    parallelism. Every rank of the group must call it (it checks the layout across the group)."""
+def _check_fsdp_mesh(model: nn.Module, group) -> None:
+    # The row-sharded parameters' per-rank gradients are partial and the others whole, so an FSDP2
+    # mesh that also spans the Ulysses peers would average the two kinds alike: wrong gradients.
+    peers = set(torch.distributed.get_process_group_ranks(group)) - {torch.distributed.get_rank()}
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
+    for mesh in meshes.values():
+        shared = peers & set(mesh.mesh.flatten().tolist())
+        if shared:
+            raise ValueError(f"an FSDP2 mesh {tuple(mesh.mesh_dim_names or ())} spans Ulysses peers "
+                             f"{sorted(shared)} of rank {torch.distributed.get_rank()}: shard over the data-parallel "
+                             "mesh dimension only (gradients of row-sharded parameters are per-rank partials, "
+                             "reduced by flowlock.models.minimax_h3.context_parallel.reduce_gradients)")
+
+
+def _layout_fingerprint(structure: list[torch.Tensor]) -> int:
+    # An int64 weighted sum of every structural value (wrapping on overflow, the same on every device):
+    # ranks holding different packed layouts of the same length disagree on it.
+    total = 0
+    for t in structure:
+        flat = t.reshape(-1).to(torch.int64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device) * 2654435761
+        total = (total * 1000003 + int((flat + 1).mul(weights).sum().item())) % (1 << 62)
+    return total
+
+
+def sequence_plan(model: nn.Module, structure: list[torch.Tensor], batch: int, strict_mark: str
+                  ) -> UlyssesSequence | None:
+    """The Ulysses shards of one forward of ``model``, or None without context parallelism.
+
+    ``structure``: the forward's validated structural tensors (``position_ids`` (S, 3) first, then the
+    per-row and row-index tensors). Every rank of the group must call it: it checks across the group
+    that all ranks hold the same S, batch, model widths and layout (a fingerprint of ``structure``,
+    memoized while those tensors are unchanged), and raises ValueError on every rank if not.
+    """
     cp = context_parallel_config(model)
     if cp is None:
         return None
     check_layout(model)
     _check_patch_order(model, strict_mark)
     group = cp._ulysses_mesh.get_group()
-    contract = (batch, model.config.num_attention_heads, model.config.hidden_size, len(model.transformer_blocks))
+    _check_fsdp_mesh(model, group)
+    fingerprint = memoized_over(structure, "ulysses_layout_fingerprint", lambda: _layout_fingerprint(structure))
+    contract = (batch, model.config.num_attention_heads, model.config.hidden_size, len(model.transformer_blocks),
+                fingerprint)
+    seq_len, device = structure[0].shape[0], structure[0].device
     return Ulysses(group).for_sequence(seq_len, contract, device=device)
 
 

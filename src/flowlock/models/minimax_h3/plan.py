@@ -36,8 +36,9 @@ def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[
     """The entries that route ``model`` through the strict path under ``handle.mode``.
 
     Raises ValueError for a context-parallel layout no mode can run (a Ulysses degree that does not
-    divide the heads), before anything is patched. Each original forward is read now, so a pre-existing instance-level ``forward`` (another
-    wrapper) is what provider mode calls and what ``remove()`` restores.
+    divide the heads), before anything is patched. Each original forward is read now, so a
+    pre-existing instance-level ``forward`` (another wrapper) is what provider mode calls and what
+    ``remove()`` restores.
     """
     check_context_parallel_layout(model)
     targets = [("", model, MiniMaxH3Transformer3DModel, strict_model_call)]

@@ -387,7 +387,8 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
         encoder_hidden_states=encoder_hidden_states, timestep=timestep, timestep_indices=timestep_indices,
         token_tags=token_tags, position_ids=position_ids, video_indices=video_indices,
         audio_indices=audio_indices, text_indices=text_indices)
-    sequence = sequence_plan(model, seq_len, hidden_states.shape[0], position_ids.device, STRICT_MARK)
+    sequence = sequence_plan(model, [position_ids, timestep_indices, token_tags, video_indices, audio_indices,
+                                     text_indices], hidden_states.shape[0], STRICT_MARK)
     run = Run.for_model(model, sequence)
 
     # Seven small launches per forward otherwise; a layout's positions are reused every step.

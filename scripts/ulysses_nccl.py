@@ -1,0 +1,92 @@
+"""Ulysses N on NCCL GPUs: every rank's outputs and latent gradients against one GPU, full-width H3.
+
+    torchrun --nproc-per-node 2 scripts/ulysses_nccl.py --layers 2 --seq 4097 --out ulysses_nccl_2.json
+
+Each rank builds the same seeded full-width H3 twice (one plain, one under diffusers'
+``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``), both under ``flowlock.patch``, runs
+forward and backward with the same cotangents, and counts mismatching elements (``torch.equal``
+semantics) of the outputs and latent gradients; it also times both forward+backward passes (CUDA
+events, median of ``--repeats`` after one warm-up). Rank 0 writes the JSON report. N must divide 56.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+from diffusers import ContextParallelConfig
+
+import flowlock
+from flowlock.models.minimax_h3 import full_width_config, layout_for_length, make_h3, tiny_inputs
+from flowlock.testing import mismatch_count
+
+LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
+
+
+def forward_backward(model, inputs, cotangent_seed=5):
+    model.zero_grad(set_to_none=True)
+    inputs = {k: (v.clone().requires_grad_() if k in LATENTS else v) for k, v in inputs.items()}
+    out = model(**inputs)
+    gen = torch.Generator().manual_seed(cotangent_seed)
+    outs = (out.sample, out.audio_sample)
+    cot = [torch.randn(t.shape, generator=gen).to(device=t.device, dtype=t.dtype) for t in outs]
+    torch.autograd.backward(list(outs), cot)
+    return (*(t.detach() for t in outs), *(inputs[k].grad for k in LATENTS))
+
+
+def timed(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=4097)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="ulysses_nccl.json")
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    config = full_width_config(num_layers=args.layers, num_refiner_layers=1)
+    ref = make_h3(config, device=device, draw_on_device=True)
+    model = make_h3(config, device=device, draw_on_device=True)
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    inputs = tiny_inputs(1, config=config, layout=layout_for_length(args.seq), device=device)
+    with flowlock.patch(ref), flowlock.patch(model):
+        expected = forward_backward(ref, inputs)
+        got = forward_backward(model, inputs)
+        names = ("sample", "audio_sample", *(f"grad:{k}" for k in LATENTS))
+        mismatches = {n: mismatch_count(g, e) for n, g, e in zip(names, got, expected)}
+        one_gpu_ms = timed(lambda: forward_backward(ref, inputs), args.repeats)
+        ulysses_ms = timed(lambda: forward_backward(model, inputs), args.repeats)
+    every = [None] * world
+    dist.all_gather_object(every, {"rank": rank, "mismatches": mismatches, "one_gpu_ms": one_gpu_ms,
+                                   "ulysses_ms": ulysses_ms})
+    if rank == 0:
+        report = {"degree": world, "layers": args.layers, "seq": args.seq, "gpu": torch.cuda.get_device_name(),
+                  "torch": torch.__version__, "ranks": every,
+                  "bitwise_equal": all(not any(r["mismatches"].values()) for r in every)}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(json.dumps(report, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""One rank of a ``flowlock check --layout`` job: ``python -m flowlock.validate.layout_worker SCENARIO``.
+
+Scenarios (gloo, the tiny H3; every rank also computes the one-process reference from the same seeded
+weights and inputs):
+
+* ``ulysses``: diffusers' ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``, N = world, at
+  S = 24, 25 and 3 (uneven and zero-row shards);
+* ``fsdp_ulysses``: 4 ranks, FSDP2 over ``dp`` of a (dp 2, ring 1, ulysses 2) mesh, each data-parallel
+  group on its own sample.
+
+Each checks that every rank's outputs, latent gradients and the gradients outside the sharded region
+are bitwise one process's, that the sharded region's gradients are the rank-order fold of the
+per-rank partials, and that they repeat; a failure exits non-zero with the traceback, success prints
+``rank <r> ok``. On a CPU-only machine the worker presents the CPU as one accelerator: diffusers'
+``enable_parallelism`` places rank r on device ``r % torch.accelerator.device_count()``, which is a
+ZeroDivisionError when the count is 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from diffusers import ContextParallelConfig
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import flowlock
+import flowlock.models.minimax_h3.context_parallel as h3_cp
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, make_h3, tiny_h3, tiny_inputs
+from flowlock.testing import assert_bitwise_equal
+
+LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
+BATCH = 2
+FOUR_HEADS = dict(TINY_H3_CONFIG, num_attention_heads=4)
+# S = 24 (a multiple of 2 and 4), 25 (of neither), 3 (fewer rows than 4 ranks: a zero-row shard).
+LAYOUTS = (build_layout(5, 2, 2, 3, 7), build_layout(5, 2, 2, 3, 8), build_layout(1, 1, 1, 1, 1))
+
+
+def init() -> int:
+    """Join the gloo job described by the torch.distributed environment variables; return the rank.
+    The process group times out after ``FLOWLOCK_PG_TIMEOUT`` seconds (default 60)."""
+    if torch.accelerator.device_count() == 0:
+        torch.accelerator.device_count = lambda: 1
+    timeout = datetime.timedelta(seconds=float(os.environ.get("FLOWLOCK_PG_TIMEOUT", "60")))
+    dist.init_process_group("gloo", timeout=timeout)
+    return dist.get_rank()
+
+
+def model_for(degree: int):
+    """The tiny H3 (2 heads) for degree <= 2, the same with 4 heads for degree 4."""
+    return tiny_h3() if degree <= 2 else make_h3(FOUR_HEADS)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def forward_backward(model, inputs: dict, rows: slice = slice(None), seed: int = 5):
+    """Outputs and latent gradients of the samples ``rows`` of ``inputs`` (a batch of ``BATCH``), as a
+    tuple of 5, and {name: this rank's parameter gradient}; cotangents are drawn for the whole batch
+    and sliced the same way, so a sample's cotangent does not depend on which rank runs it."""
+    model.zero_grad(set_to_none=True)
+    inputs = {k: (v[rows].clone().requires_grad_() if k in LATENTS else v) for k, v in inputs.items()}
+    out = model(**inputs)
+    gen = torch.Generator().manual_seed(seed)
+    outs = (out.sample, out.audio_sample)
+    cot = [torch.randn((BATCH, *t.shape[1:]), generator=gen)[rows].to(t.dtype) for t in outs]
+    torch.autograd.backward(list(outs), cot)
+    grads = {n: _local(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (out.sample.detach(), out.audio_sample.detach(), *(inputs[k].grad for k in LATENTS)), grads
+
+
+def cp_model(degree: int, base=None, **config):
+    """``base`` (default: :func:`model_for`) under diffusers' ``enable_parallelism`` with Ulysses ``degree``."""
+    model = base if base is not None else model_for(degree)
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, **config))
+    return model
+
+
+def rank_order_fold(tensors: dict, group) -> dict:
+    """The fold contract, written out: all ranks' values, summed left in rank order in fp32, rounded once."""
+    folded = {}
+    for name, t in tensors.items():
+        parts = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        acc = parts[0].float().clone()
+        for part in parts[1:]:
+            acc += part.float()
+        folded[name] = acc.to(t.dtype)
+    return folded
+
+
+def reduce_and_check(model, grads: dict, sharded: set, what: str) -> dict:
+    """Reduce ``model``'s row-sharded gradients (``grads`` holds their per-rank partials); assert they
+    are the rank-order fold of the partials (so the same on every rank); return them."""
+    h3_cp.reduce_gradients(model)
+    reduced = {n: _local(p.grad).clone() for n, p in model.named_parameters() if n in sharded}
+    group = h3_cp.context_parallel_config(model)._ulysses_mesh.get_group()
+    spec = rank_order_fold({n: grads[n] for n in reduced}, group)
+    assert_bitwise_equal(list(reduced.values()), list(spec.values()), what + " folded parameter gradients")
+    return reduced
+
+
+def check_layout_equals_one_process(ref, model, inputs, rows, sharded, what) -> tuple:
+    """Forward + backward of ``model`` (patched, context parallel) on the samples ``rows``: outputs,
+    latent gradients and the gradients of parameters outside the sharded region bitwise those of
+    ``ref`` (one process, whole batch); sharded-region gradients folded and repeatable."""
+    expected, ref_grads = forward_backward(ref, inputs)
+    expected = tuple(t[rows] for t in expected)
+    with flowlock.mode("strict") as frame:
+        got, grads = forward_backward(model, inputs, rows)
+    assert ("attention", "reference") in frame.ran, frame.ran
+    assert_bitwise_equal(got, expected, what + " outputs and latent gradients")
+    reduced = reduce_and_check(model, grads, sharded, what)
+    _, again = forward_backward(model, inputs, rows)
+    assert_bitwise_equal([again[n] for n in reduced], [grads[n] for n in reduced], what + " repeated partials")
+    h3_cp.reduce_gradients(model)
+    assert_bitwise_equal([_local(p.grad) for n, p in model.named_parameters() if n in reduced],
+                         list(reduced.values()), what + " repeated folded gradients")
+    print(f"{what}: outputs and latent gradients equal one process, folded gradients repeat", flush=True)
+    if rows == slice(None):
+        # Not bitwise (each rank's partial is rounded to the parameter dtype before the fold): reported.
+        worst = max((reduced[n].double() - ref_grads[n].double()).abs().max().item()
+                    / max(ref_grads[n].double().abs().max().item(), 1e-30) for n in reduced)
+        print(f"{what}: sharded-region gradients vs one process, max error / max |g| = {worst:.2e}", flush=True)
+    return grads, ref_grads
+
+
+def check_ulysses(rank: int, extra=None) -> None:
+    """Ulysses N = world at every S of :data:`LAYOUTS`; then ``extra(ref, model, sharded)`` while both
+    models are still patched."""
+    n = dist.get_world_size()
+    ref, model = model_for(n), cp_model(n)
+    sharded = {name for name, _ in h3_cp.row_sharded_parameters(model)}
+    with flowlock.patch(ref), flowlock.patch(model):
+        for layout in LAYOUTS:
+            what = f"Ulysses {n}, S={layout.seq_len}, rank {rank}"
+            inputs = tiny_inputs(BATCH, seed=1, layout=layout)
+            grads, ref_grads = check_layout_equals_one_process(ref, model, inputs, slice(None), sharded, what)
+            whole = sorted(set(grads) - sharded)
+            assert whole and len(sharded) > len(whole)
+            assert_bitwise_equal([grads[k] for k in whole], [ref_grads[k] for k in whole],
+                                 what + " replicated-region parameter gradients")
+        if extra is not None:
+            extra(ref, model, sharded)
+
+
+def check_fsdp_ulysses(rank: int):
+    """FSDP2 dp 2 x Ulysses 2 on 4 ranks at S = 24 and 25; returns the (dp, ring, ulysses) mesh."""
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "ring", "ulysses"))
+    dp = mesh["dp"].get_local_rank()
+    ref = model_for(2)
+    model = cp_model(2, mesh=mesh)
+    sharded = {name for name, _ in h3_cp.row_sharded_parameters(model)}
+    for module in [*model.token_refiner.refiner_blocks, *model.transformer_blocks, model.norm_out]:
+        fully_shard(module, mesh=mesh["dp"])
+    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+        fully_shard(model.get_submodule(name), mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    with flowlock.patch(ref), flowlock.patch(model):
+        for layout in LAYOUTS[:2]:
+            what = f"FSDP2 dp 2 x Ulysses 2, S={layout.seq_len}, rank {rank}"
+            check_layout_equals_one_process(ref, model, tiny_inputs(BATCH, seed=1, layout=layout),
+                                            slice(dp, dp + 1), sharded, what)
+    return mesh
+
+
+SCENARIOS = {"ulysses": check_ulysses, "fsdp_ulysses": check_fsdp_ulysses}
+
+
+def main() -> None:
+    rank = init()
+    SCENARIOS[sys.argv[1]](rank)
+    dist.destroy_process_group()
+    print(f"rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
