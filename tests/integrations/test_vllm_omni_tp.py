@@ -95,28 +95,35 @@ def _mismatches(outputs: dict, reference: dict) -> list[str]:
     return bad
 
 
+def _assert_diffusers_bits(saved: dict, trainer: dict, what: str) -> None:
+    """Each request's rows of every case equal diffusers + flowlock on that request alone."""
+    for case, specs in CASES.items():
+        requests = [make_request(**s) for s in specs]
+        video, audio = _outputs(saved)[case]
+        for i in range(len(requests)):
+            assert_bitwise_equal(request_rows(requests, i, video, audio),
+                                 (trainer[f"diffusers.{case}.{i}.video"], trainer[f"diffusers.{case}.{i}.audio"]),
+                                 f"{case} request {i}: {what} vs diffusers")
+
+
 def test_degree_one_is_the_plain_adapter(jobs):
     (tp1,) = _ranks(jobs, "tp1")
     assert tp1["tensor_parallel_degree"] == 1
     assert not any(tp1["collectives.install"].values()), tp1["collectives.install"]
     assert not any(tp1["collectives.forwards"].values()), tp1["collectives.forwards"]
-    for case, specs in CASES.items():
-        requests = [make_request(**s) for s in specs]
-        video, audio = _outputs(tp1)[case]
-        for i in range(len(requests)):
-            assert_bitwise_equal(request_rows(requests, i, video, audio),
-                                 (tp1[f"diffusers.{case}.{i}.video"], tp1[f"diffusers.{case}.{i}.audio"]),
-                                 f"{case} request {i}: vLLM-Omni TP = 1 vs diffusers")
+    _assert_diffusers_bits(tp1, tp1, "vLLM-Omni TP = 1")
 
 
 @pytest.mark.parametrize("degree", DEGREES)
 def test_every_rank_gives_tp1_bits(jobs, degree):
-    reference = _outputs(_ranks(jobs, "tp1")[0])
+    (tp1,) = _ranks(jobs, "tp1")
+    reference = _outputs(tp1)
     ranks = _ranks(jobs, f"tp{degree}")
     assert len(ranks) == degree
     for rank, saved in enumerate(ranks):
         assert saved["tensor_parallel_degree"] == degree
         assert _mismatches(_outputs(saved), reference) == [], f"TP {degree} rank {rank}"
+        _assert_diffusers_bits(saved, tp1, f"TP {degree} rank {rank}")
         # no float crosses ranks through a reduction: only all-to-alls and all-gathers, and two
         # all-to-alls (out_proj, fc2) per DiT and refiner block per forward
         forwards = saved["collectives.forwards"]
@@ -136,13 +143,15 @@ def test_planted_naive_all_reduce_is_caught(jobs, degree):
 
 @pytest.mark.parametrize("degree", ULYSSES)
 def test_every_ulysses_rank_gives_tp1_bits(jobs, degree):
-    reference = _outputs(_ranks(jobs, "tp1")[0])
+    (tp1,) = _ranks(jobs, "tp1")
+    reference = _outputs(tp1)
     ranks = _ranks(jobs, f"sp{degree}")
     assert len(ranks) == degree
     for rank, saved in enumerate(ranks):
         assert saved["ulysses_degree"] == degree
         assert saved["sp_hooks"] == ["local_sp_prepare", "sp_gather", "sp_prepare"]
         assert _mismatches(_outputs(saved), reference) == [], f"Ulysses {degree} rank {rank}"
+        _assert_diffusers_bits(saved, tp1, f"Ulysses {degree} rank {rank}")
         # two all-to-alls per DiT block per forward and none for the refiner (its text stays replicated)
         forwards = saved["collectives.forwards"]
         assert forwards["all_to_all_single"] == 2 * TP_CONFIG["num_layers"] * len(CASES), forwards
