@@ -158,6 +158,17 @@ def test_every_ulysses_rank_gives_tp1_bits(jobs, degree):
         assert {k for k, v in forwards.items() if v} == {"all_to_all_single", "all_gather"}, forwards
 
 
+@pytest.mark.parametrize("degree", ULYSSES)
+def test_refiner_through_the_all_to_all_is_caught(jobs, degree):
+    # the planted stock-diffusers handling: each rank's replicated text goes through the exchange as if
+    # it were a shard, and attends over its N copies. One request's rows can keep their bits on a CPU
+    # (the reference attention over exact copies of its keys rounds the same); packed requests cannot
+    # (their documents mix), so the packed forward is where the harness must see it.
+    reference = _outputs(_ranks(jobs, "tp1")[0])
+    for rank, saved in enumerate(_ranks(jobs, f"sp{degree}")):
+        assert "packed" in _mismatches(_outputs(saved, "planted."), reference), f"Ulysses {degree} rank {rank}"
+
+
 def test_ring_sequence_parallelism_is_refused_at_install():
     model = SimpleNamespace(parallel_config=SimpleNamespace(ulysses_degree=2, ring_degree=2))
     with pytest.raises(ValueError, match=r"ring sequence parallelism \(ring_degree 2\) is not on the strict path"):

@@ -48,10 +48,13 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMax
 from vllm_omni_env import build_native, ensure_runtime, native_config, vllm_config  # noqa: E402
 
 import flowlock  # noqa: E402
+import flowlock.integrations.vllm_omni.forward as native_forward  # noqa: E402
 from flowlock.integrations.vllm_omni import install  # noqa: E402
 from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel  # noqa: E402
 from flowlock.models.minimax_h3 import make_h3  # noqa: E402
 from flowlock.ops.linear import linear  # noqa: E402
+from flowlock.parallel.shards import RowShards  # noqa: E402
+from flowlock.parallel.ulysses import UlyssesSequence  # noqa: E402
 from flowlock.testing import poison_  # noqa: E402
 
 # Eight heads so that TP 2, 4 and 8 each own whole heads; every other width divides by 8 as well.
@@ -179,6 +182,20 @@ def _naive_k_sharded_linear(self, module, x):
     return partial
 
 
+def _refiner_through_ulysses(original):
+    # what stock diffusers does under Ulysses: the replicated text goes through the all-to-all as if
+    # each rank's shard were the whole text, and attends over its N copies as one document
+    def attention(run, attn, x, rope, docs, own_kwargs, sequence=None):
+        if sequence is None and run.sp is not None:
+            n, rows = run.sp.degree, x.shape[0]
+            ulysses = run.sp.ulysses
+            sequence = UlyssesSequence(RowShards(n * rows, n, ulysses.rank), ulysses.group)
+            docs = ((0, n * rows),)
+        return original(run, attn, x, rope, docs, own_kwargs, sequence)
+
+    return attention
+
+
 def job_ulysses(rank: int, world: int, out: Path) -> None:
     _, native = _ulysses_models(world)
     counts = _count_collectives()
@@ -186,6 +203,13 @@ def job_ulysses(rank: int, world: int, out: Path) -> None:
         saved = _native_outputs(native)
         sequence_parallel = getattr(native, "_flowlock_ulysses", None)
     saved["collectives.forwards"] = dict(counts)
+    original = native_forward.attention_forward
+    native_forward.attention_forward = _refiner_through_ulysses(original)
+    try:
+        with install(native):
+            saved.update({f"planted.{k}": v for k, v in _native_outputs(native).items()})
+    finally:
+        native_forward.attention_forward = original
     saved["ulysses_degree"] = 0 if sequence_parallel is None else sequence_parallel.degree
     saved["sp_hooks"] = sorted(n for n, m in native.named_modules() if getattr(m, "_hook_registry", None) is not None)
     torch.save(saved, out / f"rank{rank}.pt")
