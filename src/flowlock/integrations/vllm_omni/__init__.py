@@ -19,11 +19,17 @@ def install(model, mode: str = "strict") -> PatchHandle:
     ``mode`` is ``"strict"`` (a module flowlock cannot compute raises ``StrictModeError`` naming
     it, before any op runs) or ``"audit"`` (that module runs its own forward and the fallback is
     recorded in ``handle.fallbacks`` or the caller's audit frame). Inside
-    ``flowlock.mode("provider")`` the patched model runs vLLM-Omni's own forward. Serves TP = 1
-    and no sequence parallelism (see :mod:`flowlock.integrations.vllm_omni.coverage`).
+    ``flowlock.mode("provider")`` the patched model runs vLLM-Omni's own forward. Serves every
+    TP degree vLLM-Omni builds H3 with (TP > 1 gives TP = 1's bits: see
+    :mod:`flowlock.integrations.vllm_omni.tensor_parallel`; every TP rank must call install(),
+    which agrees on the layout across the group), or Ulysses sequence parallelism alone
+    (``ulysses_degree > 1``, vLLM-Omni's SP hooks applied or not: see
+    :mod:`flowlock.integrations.vllm_omni.sequence_parallel`); never ring (see
+    :mod:`flowlock.integrations.vllm_omni.coverage`).
 
-    Raises TypeError for another model class, ValueError for another mode, RuntimeError when the
-    model is already patched. Returns the handle whose ``remove()`` restores each forward by identity.
+    Raises TypeError for another model class, ValueError for another mode or a TP layout the
+    strict path refuses (naming the reason), RuntimeError when the model is already patched.
+    Returns the handle whose ``remove()`` restores each forward by identity.
     """
     if mode not in ("strict", "audit"):
         raise ValueError(f"mode must be 'strict' or 'audit', got {mode!r}")
@@ -32,6 +38,10 @@ def install(model, mode: str = "strict") -> PatchHandle:
     if not isinstance(model, MiniMaxH3DiTModel):
         raise TypeError(f"install() supports vLLM-Omni's MiniMaxH3DiTModel, got {type(model).__name__}")
     from flowlock.integrations.vllm_omni.plan import build_plan
+    from flowlock.integrations.vllm_omni.sequence_parallel import NativeUlysses
+    from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel
 
     handle = PatchHandle(mode)
-    return apply_plan(model, build_plan(model, handle), handle)
+    sequence_parallel = NativeUlysses.for_model(model)
+    tensor_parallel = NativeTensorParallel.for_model(model)
+    return apply_plan(model, build_plan(model, handle, tensor_parallel, sequence_parallel), handle)

@@ -1,15 +1,18 @@
 """What the strict path can compute for a vLLM-Omni ``MiniMaxH3DiTModel``, decided before any op runs.
 
-Served: vLLM's unquantized parallel linears at TP = 1 with H3's biases (patch, condition, time,
-AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's diffusion LoRA
-wrappers on q/k/v, out, fc1 and fc2 (:mod:`flowlock.integrations.vllm_omni.lora`), vLLM-Omni's
+Served: vLLM's unquantized parallel linears at TP = 1, or at the TP degree install() set up
+(:mod:`flowlock.integrations.vllm_omni.tensor_parallel`), with H3's biases (patch, condition, time,
+AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's diffusion LoRA wrappers
+on q/k/v, out, fc1 and fc2 at TP = 1 (:mod:`flowlock.integrations.vllm_omni.lora`), vLLM-Omni's
 ``RMSNorm``, and dense softmax attention whatever dense backend vLLM-Omni resolved (flowlock
-replaces the backend call, so FLASH_ATTN, cuDNN, SDPA and the others give one answer). Not
-served, each named with its module: a quantized linear, a bias where H3 has none (or none where
-it has one), another layer type, a LoRA wrapper on any other linear (or one with several slots,
-sharded, or in another dtype), TP > 1, sparse or approximate attention backends (VSA, Sage,
-RainFusion, TRT-LLM), VSA gates, quantized KV, ring / Ulysses sequence parallelism, Cache-DiT and any vLLM-Omni hook
-(TeaCache, offload, SP), whose effect on the arithmetic the strict path cannot vouch for.
+replaces the backend call, so FLASH_ATTN, cuDNN, SDPA and the others give one answer). Not served,
+each named with its module: a quantized linear, a bias where H3 has none (or none where it has
+one), another layer type, a LoRA wrapper on any other linear (or one with several slots, sharded,
+under TP > 1, or in another dtype), a TP degree other than install()'s, sparse or approximate
+attention backends (VSA, Sage, RainFusion, TRT-LLM), VSA gates, quantized KV, ring sequence
+parallelism, a Ulysses degree other than install()'s, Cache-DiT and any vLLM-Omni hook (TeaCache,
+offload; SP hooks other than the ``_sp_plan`` split / gather, which the strict forward never calls),
+whose effect on the arithmetic the strict path cannot vouch for.
 
 Strict mode raises :class:`flowlock.StrictModeError` at the first such module; audit mode records
 it and lets that module run its own forward (for a model-level reason, the whole forward runs
@@ -40,6 +43,9 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
 )
 
 from flowlock.integrations.vllm_omni.lora import is_lora_layer, lora_reason
+from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.sequence_parallel import SP_PLAN_MODULES
+from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
 from flowlock.modes import fallback_or_raise
 
 LINEAR_CLASSES = (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear, MergedColumnParallelLinear)
@@ -49,19 +55,22 @@ DENSE_BACKENDS = frozenset({"FLASH_ATTN", "FLASH_ATTN_HUB", "FLASH_ATTN_3_HUB", 
                             "FLASHINFER_ATTN"})
 
 
-def linear_reason(module: nn.Module, biased: bool, lora: bool = False) -> str | None:
-    """Why the strict path cannot compute this linear, or None; ``lora``: a LoRA wrapper is served here."""
+def linear_reason(module: nn.Module, biased: bool, lora: bool = False, tp_size: int = 1) -> str | None:
+    """Why the strict path cannot compute this linear, or None; ``lora``: a LoRA wrapper is served here;
+    ``tp_size``: the degree install() set up."""
     if is_lora_layer(module):
         if not lora:
             return (f"{type(module).__name__}: LoRA on this layer is not on the strict path (served: q/k/v, out, "
                     "fc1, fc2 of the blocks)")
+        if tp_size != 1:
+            return f"{type(module).__name__}: LoRA under tensor parallelism (TP = {tp_size}) is not on the strict path"
         return lora_reason(module) or linear_reason(module.base_layer, biased)
     if type(module) not in LINEAR_CLASSES:
         return f"{type(module).__name__} is not one of vLLM's parallel linears"
     if type(module.quant_method) is not UnquantizedLinearMethod:
         return f"quantized ({type(module.quant_method).__name__})"
-    if module.tp_size != 1:
-        return f"tensor parallel size {module.tp_size} (the strict path serves TP = 1)"
+    if module.tp_size != tp_size:
+        return f"tensor parallel size {module.tp_size} (install() set up the strict path for TP = {tp_size})"
     if module.skip_bias_add:
         return "skip_bias_add returns the bias unapplied; H3 never asks for that"
     if (module.bias is not None) != biased:
@@ -90,6 +99,13 @@ class NativeRun:
         self.check_indices = check_indices
         self._root = root
         self._names: dict[int, str] | None = None
+        # TP > 1 operations install() set up on this module (None at TP = 1: no TP code runs)
+        self.tp = getattr(root, TP_ATTRIBUTE, None)
+        self.tp_size = 1 if self.tp is None else self.tp.degree
+        # likewise Ulysses; ``sequence`` is the root forward's row shards once it has split the rows
+        self.sp = getattr(root, SP_ATTRIBUTE, None)
+        self.sp_degree = 1 if self.sp is None else self.sp.degree
+        self.sequence = None
 
     @classmethod
     def for_model(cls, model: nn.Module) -> NativeRun:
@@ -99,7 +115,7 @@ class NativeRun:
             return run
         for name in ("video_patch_proj", "audio_patch_proj", "condition_proj"):
             module = getattr(model, name)
-            run._check(module, linear_reason(module, biased=True))
+            run._check(module, linear_reason(module, biased=True, tp_size=run.tp_size))
         run._check_time_embedder(model.time_embedder)
         run._check_refiner(model.token_refiner)
         for block in model.blocks:
@@ -118,20 +134,23 @@ class NativeRun:
         if check is not None:
             check(module)
         else:
-            run._check(module, linear_reason(module, biased=module.bias is not None))
+            run._check(module, linear_reason(module, biased=module.bias is not None, tp_size=run.tp_size))
         return run
 
-    @staticmethod
-    def _model_reason(model: nn.Module) -> str | None:
+    def _model_reason(self, model: nn.Module) -> str | None:
         if getattr(model, "_is_cached", False):
             return "Cache-DiT is enabled (it reuses or skips block outputs)"
         config = model.parallel_config
-        for degree in ("ulysses_degree", "ring_degree"):
-            if int(getattr(config, degree, 1) or 1) != 1:
-                return f"sequence parallelism ({degree} {getattr(config, degree)}; the strict path serves 1)"
+        served = {"ulysses_degree": self.sp_degree, "ring_degree": 1}
+        for degree, serves in served.items():
+            if int(getattr(config, degree, 1) or 1) != serves:
+                return (f"sequence parallelism ({degree} {getattr(config, degree)}; install() set up the strict "
+                        f"path for {serves})")
         if model.vsa_gates_enabled:
             return "VSA gates are enabled (sparse attention)"
         for name, module in model.named_modules():
+            if self.sp is not None and name in SP_PLAN_MODULES:
+                continue  # vLLM-Omni's SP split / gather hooks: the strict forward never calls these modules
             reason = hook_reason(module)
             if reason is not None:
                 return f"{reason} on {name or '<root>'}"
@@ -142,7 +161,7 @@ class NativeRun:
             self._check(embedder, "timestep_sinusoid serves a 256-wide sinusoid only")
             return
         for module in (embedder.proj_in, embedder.proj_out):
-            self._check(module, linear_reason(module, biased=True), fallback=embedder)
+            self._check(module, linear_reason(module, biased=True, tp_size=self.tp_size), fallback=embedder)
 
     def _check_refiner(self, refiner: nn.Module) -> None:
         for block in refiner.blocks:
@@ -158,12 +177,13 @@ class NativeRun:
     def _check_block(self, block: nn.Module) -> None:
         self._check_refiner_block(block)
         # the AdaLN table and the fused norm-modulate ops read these weights directly
-        self._check(block.adaln_proj.linear, linear_reason(block.adaln_proj.linear, biased=True), fallback=block)
+        proj = block.adaln_proj.linear
+        self._check(proj, linear_reason(proj, biased=True, tp_size=self.tp_size), fallback=block)
 
     def _check_final_layer(self, final: nn.Module) -> None:
         self._check(final.norm, _rms_norm_reason(final.norm), fallback=final)
         for module in (final.adaln_proj.linear, final.video_out, final.audio_out):
-            self._check(module, linear_reason(module, biased=True), fallback=final)
+            self._check(module, linear_reason(module, biased=True, tp_size=self.tp_size), fallback=final)
 
     def _check_attention(self, attn: nn.Module) -> None:
         layer = attn.attention
@@ -188,7 +208,8 @@ class NativeRun:
         self._check(attn, reason)
         if reason is None:
             for module in (attn.qkv_proj, attn.out_proj):
-                self._check(module, linear_reason(module, biased=False, lora=True), fallback=attn)
+                self._check(module, linear_reason(module, biased=False, lora=True, tp_size=self.tp_size),
+                            fallback=attn)
             for norm in (attn.q_norm, attn.k_norm):
                 self._check(norm, _rms_norm_reason(norm), fallback=attn)
 
@@ -197,7 +218,7 @@ class NativeRun:
             self._check(mlp, f"{type(mlp).__name__} is not MiniMaxH3MLP")
             return
         for module in (mlp.fc1, mlp.fc2):
-            self._check(module, linear_reason(module, biased=False, lora=True), fallback=mlp)
+            self._check(module, linear_reason(module, biased=False, lora=True, tp_size=self.tp_size), fallback=mlp)
 
     def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None) -> None:
         if reason is None:

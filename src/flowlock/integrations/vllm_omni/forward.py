@@ -25,6 +25,12 @@ RoPE comes from the positions as the diffusers strict path computes it; a caller
 vLLM-Omni prepared from the same positions gives the same bits).
 
 vLLM's linears return ``(output, bias)``; the patched linears keep that convention.
+
+Under Ulysses (``run.sp``) the DiT blocks run on row shards (see
+:mod:`flowlock.integrations.vllm_omni.sequence_parallel`). At TP > 1 (``run.tp``, set up by
+install()) the GEMMs over vLLM's weight shards go through
+:mod:`flowlock.integrations.vllm_omni.tensor_parallel`, which gives the TP = 1 bits. At degree 1
+``run.sp`` and ``run.tp`` are None and none of their code or collectives run.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
 from flowlock.ops.rows import gather_rows, scatter_rows
 from flowlock.ops.swiglu import swiglu
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
+from flowlock.parallel.ulysses import UlyssesSequence
 
 # Rows of the AdaLN table per distinct timestep (video, text, audio); padding rows use video's.
 MODALITIES = 3
@@ -110,6 +117,8 @@ def linear_forward(run: NativeRun, module: nn.Module, x: torch.Tensor) -> torch.
     """A vLLM linear's output tensor: flowlock ``linear`` unless this module runs its own forward."""
     if run.runs_own(module):
         return module(x)[0]
+    if run.tp is not None:
+        return run.tp.gathered_linear(module, x)
     return linear(x, module.weight, module.bias)
 
 
@@ -123,8 +132,12 @@ def _project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward(run: NativeRun, attn: nn.Module, x: torch.Tensor, rope: RopeTables | None,
-                      docs: tuple[tuple[int, int], ...], own_kwargs: dict) -> torch.Tensor:
-    """``MiniMaxH3Attention``: x ``(T, hidden)`` bf16 -> ``(T, hidden)`` bf16, attending within ``docs``."""
+                      docs: tuple[tuple[int, int], ...], own_kwargs: dict,
+                      sequence: UlyssesSequence | None = None) -> torch.Tensor:
+    """``MiniMaxH3Attention``: x ``(T, hidden)`` bf16 -> ``(T, hidden)`` bf16, attending within ``docs``.
+
+    With ``sequence`` (Ulysses), x holds this rank's row shard and ``docs`` index the whole packed
+    sequence: an all-to-all gives each rank every row of its heads around the attention."""
     if run.runs_own(attn):
         table = None if rope is None else _native_table(rope)
         return attn(x, rope_table=table, **own_kwargs)
@@ -139,9 +152,15 @@ def attention_forward(run: NativeRun, attn: nn.Module, x: torch.Tensor, rope: Ro
         q, k = (qk_norm_rope(t, norm.weight, rope.cos, rope.sin, norm.variance_epsilon)
                 for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
     # diffusers' default scale 1/sqrt(D) (coverage checked the module's D ** -0.5 equals it to 1e-12).
-    parts = [attention(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return _project(attn.out_proj, out.view(total, inner))
+
+    def attend(q, k, v):
+        parts = [attention(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in docs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    out = (attend(q, k, v) if sequence is None else sequence.attention(attend, q, k, v)).view(total, inner)
+    if run.tp is not None:
+        return run.tp.k_sharded_linear(attn.out_proj, out)
+    return _project(attn.out_proj, out)
 
 
 def _norm(run: NativeRun, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +177,10 @@ def mlp_forward(run: NativeRun, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor
     # native fc1 rows are [gate; up], diffusers' SwiGLU wants [value; gate]: permuting GEMM columns
     # is exact, and swiglu's value * silu(gate) is the bits of vLLM's silu(gate) * up.
     gate, up = add_lora(mlp.fc1, x, list(h.chunk(2, dim=-1)))
-    return _project(mlp.fc2, swiglu(torch.cat((up, gate), dim=-1)))
+    act = swiglu(torch.cat((up, gate), dim=-1))
+    if run.tp is not None:
+        return run.tp.k_sharded_linear(mlp.fc2, act)
+    return _project(mlp.fc2, act)
 
 
 def refiner_block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, cu_seqlens: torch.Tensor,
@@ -186,13 +208,13 @@ def block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, t_emb: t
                   vsa_prefix_segments=()) -> torch.Tensor:
     """``MiniMaxH3DiTBlock.forward``: x ``(T, hidden)`` bf16, t_emb ``(M, E)`` fp32, combined_indices
     ``(T,)`` in ``[0, 3M)``, rope_table vLLM-Omni's ``(T, R)`` bf16 table or :class:`RopeTables`."""
-    if x.shape[0] != packed_total:
+    if x.shape[0] != packed_total and run.sequence is None:
         raise ValueError(f"x has {x.shape[0]} rows for packed_total {packed_total}: sequence-parallel shards "
                          "are not on the strict path")
     docs = documents(cu_seqlens, max_seqlen, packed_total, prefix_request=num_requests == 1)
     rope = _rope(rope_table)
     proj = block.adaln_proj.linear
-    table = adaln_table(t_emb, proj.weight, proj.bias)
+    table = adaln_table(t_emb, proj.weight, proj.bias) if run.tp is None else run.tp.adaln_table(t_emb, proj)
     hidden = x.shape[-1]
     chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
     check, index = run.check_indices, combined_indices
@@ -200,7 +222,7 @@ def block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, t_emb: t
                                block.norm1.variance_epsilon, check_indices=check)
     own = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, packed_total=packed_total, num_requests=num_requests,
                sp_seq_lens=sp_seq_lens, video_layout=video_layout, vsa_prefix_segments=vsa_prefix_segments)
-    attn_out = attention_forward(run, block.attn, normed, rope, docs, own)
+    attn_out = attention_forward(run, block.attn, normed, rope, docs, own, run.sequence)
     x = gate_residual(x, chunk[GATE_MSA], attn_out, index, check_indices=check)
     normed = rms_norm_modulate(x, block.norm2.weight, chunk[SHIFT_MLP], chunk[SCALE_MLP], index,
                                block.norm2.variance_epsilon, check_indices=check)
@@ -210,22 +232,24 @@ def block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, t_emb: t
 def time_embedder_forward(run: NativeRun, embedder: nn.Module, t: torch.Tensor) -> torch.Tensor:
     """``MiniMaxH3TimeEmbedder.forward``: ``(M,)`` float32 in [0, 1] -> ``(M, E)`` float32."""
     p, q = embedder.proj_in, embedder.proj_out
+    weights = (p.weight, p.bias, q.weight, q.bias) if run.tp is None else run.tp.time_embedder_weights(embedder)
     sinusoid = timestep_sinusoid(t, check_range=run.check_indices)
-    return timestep_mlp(sinusoid, p.weight, p.bias, q.weight, q.bias)
+    return timestep_mlp(sinusoid, *weights)
 
 
-def _final_rows(final: nn.Module, x: torch.Tensor, t_emb: torch.Tensor, inverse_indices: torch.Tensor,
-                check: bool) -> torch.Tensor:
+def _final_rows(run: NativeRun, final: nn.Module, x: torch.Tensor, t_emb: torch.Tensor,
+                inverse_indices: torch.Tensor, check: bool) -> torch.Tensor:
     """``final_layer``'s modulated rows ``(1, T, hidden)`` bf16, before the heads."""
     ada = final.adaln_proj.linear
-    return final_adaln_out(x.unsqueeze(0), t_emb, final.norm.weight, ada.weight, ada.bias, inverse_indices,
+    weight, bias = (ada.weight, ada.bias) if run.tp is None else run.tp.final_adaln_weights(final)
+    return final_adaln_out(x.unsqueeze(0), t_emb, final.norm.weight, weight, bias, inverse_indices,
                            final.norm.variance_epsilon, check_indices=check)
 
 
 def final_layer_forward(run: NativeRun, final: nn.Module, x: torch.Tensor, *, t_emb: torch.Tensor,
                         inverse_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``MiniMaxH3FinalLayer.forward``: ``(T, hidden)`` bf16 -> both FP32 heads on every row."""
-    h = _final_rows(final, x, t_emb, inverse_indices, run.check_indices)[0].to(final.video_out.weight.dtype)
+    h = _final_rows(run, final, x, t_emb, inverse_indices, run.check_indices)[0].to(final.video_out.weight.dtype)
     return call_with_run(run, final.video_out, h)[0], call_with_run(run, final.audio_out, h)[0]
 
 
@@ -265,17 +289,24 @@ def model_forward(model: nn.Module, kwargs: dict, own_forward) -> tuple[torch.Te
 
     t_emb = call_with_run(run, model.time_embedder, inputs.unique_timesteps)
     combined = inputs.inverse_indices * MODALITIES + inputs.token_tags.clamp(min=0)
+    if run.sp is not None:
+        # Ulysses: the blocks run on this rank's rows (the embedding and the refiner ran on all rows)
+        run.sequence = run.sp.sequence(model, s, inputs.num_requests, hidden.device)
+        hidden, combined = run.sequence.shard(hidden, 0), run.sequence.shard(combined, 0)
+        rope = RopeTables(run.sequence.shard(rope.cos, 0), run.sequence.shard(rope.sin, 0))
     for block in model.blocks:
         hidden = call_with_run(run, block, hidden, t_emb=t_emb, combined_indices=combined, rope_table=rope,
                                cu_seqlens=inputs.cu_seqlens, max_seqlen=inputs.max_seqlen, packed_total=s,
                                num_requests=inputs.num_requests)
+    if run.sequence is not None:
+        hidden = run.sequence.gather(hidden, 0)
 
     final = model.final_layer
     if run.runs_own(final):
         video, audio = final(hidden, t_emb=t_emb, inverse_indices=inputs.inverse_indices)
         video, audio = video.index_select(0, inputs.out_pos), audio.index_select(0, inputs.audio_pos)
     else:
-        rows = _final_rows(final, hidden, t_emb, inputs.inverse_indices, check=False)
+        rows = _final_rows(run, final, hidden, t_emb, inputs.inverse_indices, check=False)
         head_dtype = final.video_out.weight.dtype
         video = gather_rows(rows, inputs.out_pos, check_indices=False)[0].to(head_dtype)
         audio = gather_rows(rows, inputs.audio_pos, check_indices=False)[0].to(head_dtype)

@@ -20,6 +20,10 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
 
 from flowlock.integrations.vllm_omni import forward as strict
 from flowlock.integrations.vllm_omni.coverage import NativeRun
+from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.sequence_parallel import NativeUlysses
+from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel
 from flowlock.models.minimax_h3.patch import make_patched_forward
 from flowlock.patching import PatchEntry, PatchHandle
 
@@ -49,10 +53,13 @@ def _linear_call(module, arguments, stock):
     return (y, None) if module.return_bias else y
 
 
-def build_plan(model: MiniMaxH3DiTModel, handle: PatchHandle) -> list[PatchEntry]:
+def build_plan(model: MiniMaxH3DiTModel, handle: PatchHandle, tensor_parallel: NativeTensorParallel | None = None,
+               sequence_parallel: NativeUlysses | None = None) -> list[PatchEntry]:
     """The entries routing ``model`` through the strict path under ``handle.mode``; each original
     forward (an instance-level one included) is read now: provider mode calls it, ``remove()``
-    restores it."""
+    restores it. With ``tensor_parallel`` (TP > 1) or ``sequence_parallel`` (Ulysses > 1) every
+    patched module also carries it, so a module called on its own sees the layout too; ``remove()``
+    drops it."""
     targets = [("", model, MiniMaxH3DiTModel, _model_call),
                ("token_refiner", model.token_refiner, MiniMaxH3TokenRefiner, _module_call(strict.refiner_forward))]
     targets += [(f"token_refiner.blocks.{i}", block, MiniMaxH3TokenRefinerBlock,
@@ -64,5 +71,9 @@ def build_plan(model: MiniMaxH3DiTModel, handle: PatchHandle) -> list[PatchEntry
     targets.append(("final_layer", model.final_layer, MiniMaxH3FinalLayer, _module_call(strict.final_layer_forward)))
     # untyped: another layer in a linear slot (a LoRA wrapper) is for coverage to name at forward time
     targets += [(name, model.get_submodule(name), None, _linear_call) for name in _LINEARS]
-    return [PatchEntry(name, "forward", make_patched_forward(module, module.forward, handle, call), kind)
-            for name, module, kind, call in targets]
+    entries = [PatchEntry(name, "forward", make_patched_forward(module, module.forward, handle, call), kind)
+               for name, module, kind, call in targets]
+    for attribute, layout in ((TP_ATTRIBUTE, tensor_parallel), (SP_ATTRIBUTE, sequence_parallel)):
+        if layout is not None:
+            entries += [PatchEntry(name, attribute, layout, kind) for name, _, kind, _ in targets]
+    return entries
