@@ -222,7 +222,7 @@ def sweep_order(kernels: Sequence[str] = tuple(SWEEP_CANDIDATES)) -> list[tuple[
 def frozen_config(op: str, dim: int, tma: int):
     """The frozen config of ``op`` on this GPU with its ``TMA`` key set to ``tma``."""
     from flowlock.config import LaunchConfig, launch_config
-    from flowlock.ops._triton_utils import device_arch
+    from flowlock.keys import device_arch
 
     cfg = launch_config(op, torch.bfloat16, device_arch(torch.cuda.current_device()), (dim,))
     return LaunchConfig(tuple((k, tma if k == "TMA" else v) for k, v in cfg.blocks), cfg.num_warps, cfg.num_stages)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import flowlock
 from flowlock.config import LaunchConfig, launch_config
-from flowlock.ops._triton_utils import arch_of
+from flowlock.keys import arch_of
 from flowlock.ops.linear import linear
 from flowlock.ops.linear import triton as lt
 

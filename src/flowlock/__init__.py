@@ -4,6 +4,7 @@ Deterministic, batch-invariant kernels and the strict MiniMax-H3 path. Importing
 side effects: modes are entered explicitly with :func:`mode` / :func:`set_mode`.
 """
 
+from flowlock import models  # noqa: F401  registers the model families' patch plans (imports none of them)
 from flowlock.dispatch import use_backend
 from flowlock.modes import Fallback, ModeHandle, StrictModeError, current_mode, mode, set_mode
 from flowlock.patching import PatchHandle, patch  # diffusers is imported only when patch() runs

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowlock.ops._triton_utils import arch_of_device, dtype_key
+from flowlock.keys import arch_of_device, dtype_key
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,14 @@ parameters, buffers or submodules, so ``state_dict`` is untouched. A module can 
 handle at a time. A replacement carries :data:`REPLACEMENT_MARK`, so a module holding one that no
 handle owns (a ``copy.deepcopy`` of a patched model, which stays patched) is refused as well.
 
-:func:`patch` is the public entry: it picks the plan for the model's class (MiniMax-H3 today).
+:func:`patch` is the public entry: it picks the plan registered for the model's class. Model families
+register theirs with :func:`register_plan` by import path, so this module imports no model package
+(and no model library) and a family's code is imported only when a model of it is patched.
 """
 
 from __future__ import annotations
 
+import importlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -28,6 +31,9 @@ REPLACEMENT_MARK = "__flowlock_replacement__"
 
 # Modules currently patched -> the handle that patched them.
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# (model class module, class qualified name) -> "package.module:function" building that class's plan.
+_PLANS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,30 @@ def apply_plan(root: nn.Module, plan: list[PatchEntry], handle: PatchHandle) -> 
     return handle
 
 
+def register_plan(model_class: str, builder: str) -> None:
+    """Register the patch plan of a model class, both given by import path.
+
+    ``model_class`` is ``"package.module.ClassName"``, ``builder`` is ``"package.module:function"``
+    with ``function(model, handle) -> list[PatchEntry]``. Nothing is imported until :func:`patch`
+    meets an instance of the class (or of a subclass, e.g. FSDP2's generated one).
+    """
+    module, _, name = model_class.rpartition(".")
+    if not module or ":" not in builder:
+        raise ValueError(f"register_plan wants 'package.module.Class' and 'package.module:function', "
+                         f"got {model_class!r}, {builder!r}")
+    _PLANS[(module, name)] = builder
+
+
+def _plan_builder(model: nn.Module):
+    for cls in type(model).__mro__:
+        builder = _PLANS.get((cls.__module__, cls.__qualname__))
+        if builder is not None:
+            module, _, function = builder.partition(":")
+            return getattr(importlib.import_module(module), function)
+    supported = ", ".join(sorted(name for _, name in _PLANS)) or "none registered"
+    raise TypeError(f"flowlock.patch supports {supported}, got {type(model).__name__}")
+
+
 def patch(model: nn.Module, mode: str = "strict") -> PatchHandle:
     """Route ``model``'s forward through flowlock's strict path; return the handle that undoes it.
 
@@ -155,16 +185,11 @@ def patch(model: nn.Module, mode: str = "strict") -> PatchHandle:
     ``"audit"`` (such a step runs the stock module and is recorded). A caller's
     ``with flowlock.mode("audit"):`` also gives audit behaviour, and inside
     ``with flowlock.mode("provider"):`` the patched model runs its original forward. Parameters,
-    buffers and the module tree are not touched. Supported: diffusers'
-    ``MiniMaxH3Transformer3DModel``.
+    buffers and the module tree are not touched. Supported: the classes whose family registered a
+    plan (:mod:`flowlock.models`: diffusers' ``MiniMaxH3Transformer3DModel``).
     """
     if mode not in ("strict", "audit"):
         raise ValueError(f"mode must be 'strict' or 'audit', got {mode!r}")
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    if not isinstance(model, MiniMaxH3Transformer3DModel):
-        raise TypeError(f"flowlock.patch supports MiniMaxH3Transformer3DModel, got {type(model).__name__}")
-    from flowlock.models.minimax_h3.plan import build_plan
-
+    build_plan = _plan_builder(model)
     handle = PatchHandle(mode)
     return apply_plan(model, build_plan(model, handle), handle)

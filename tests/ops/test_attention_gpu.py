@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowlock.config import LaunchConfig, launch_config
-from flowlock.ops._triton_utils import arch_of
+from flowlock.keys import arch_of
 from flowlock.ops.attention import attention
 from flowlock.ops.attention.triton import attention_bwd, attention_fwd, tma_eligible
 from flowlock.testing import assert_batch_invariant, assert_bitwise_equal

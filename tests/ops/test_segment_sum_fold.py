@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowlock.config import launch_config
-from flowlock.ops._triton_utils import device_arch
+from flowlock.keys import device_arch
 from flowlock.ops.segment_sum.fold import fold_group, fold_partials
 from flowlock.ops.segment_sum.reference import fold_partials_reference
 from flowlock.testing import assert_bitwise_equal, assert_repeatable, bitwise_equal, repeat_failures

@@ -46,9 +46,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, launch_config
+from flowlock.keys import arch_of
 from flowlock.ops._dot import dot_f32
 from flowlock.ops._launch import fast_launch
-from flowlock.ops._triton_utils import arch_of, cdiv, traced
+from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops.attention.reference import LOG2E
 
 
