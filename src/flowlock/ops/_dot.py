@@ -15,6 +15,13 @@ Interpreted, :func:`dot_f32` therefore never calls BLAS: it forms the (M, K, N) 
 elementwise and reduces the K axis with ``tl.sum`` (numpy's add reduction over a non-contiguous
 axis: one IEEE fp32 addition per k, ascending, the same for every row and column of the tile).
 Each output element is then a pure function of its own A row and B column on every CPU.
+
+Compiled, a true-fp32 ``tl.dot`` is a chain of FMAs over K in each thread, and Triton's combine pass
+rewrites ``acc + tl.dot(a, b)`` into ``tl.dot(a, b, acc)``: a kernel that sums each K block from zero
+and then adds it still runs one FMA chain over the whole reduction (seen in the sm90 TTGIR), whose
+error grows with K. :func:`add_compensated` is the fp32 kernels' block fold instead: a Kahan step,
+whose use of the block product twice keeps the combine pass from folding it away, so the error is
+that of one block plus O(eps) for the fold, whatever K is.
 """
 
 from __future__ import annotations
@@ -31,6 +38,19 @@ def dot_f32(a, b):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+@triton.jit
+def add_compensated(acc, comp, part):
+    """One Kahan step: ``(acc, comp)`` after adding ``part`` to the compensated sum ``acc``.
+
+    ``comp`` (start at zero) holds the low-order part that ``acc`` lost, negated; the sum is ``acc``.
+    Plain fp32 adds in a fixed order (Triton applies no reassociation), so the result is a pure
+    function of the parts and their order.
+    """
+    y = part - comp
+    total = acc + y
+    return total, (total - acc) - y
 
 
 # tl.dot when the kernels are compiled; the BLAS-free product when @triton.jit made interpreted

@@ -4,7 +4,7 @@ The projection ``y = w(w(silu(temb)) @ W^T + b)``, ``w(.)`` rounding to the weig
 fp16, or fp32: no rounding), is the shared core of ``adaln_table`` (18H outputs) and
 ``final_adaln_out`` (2H outputs). PyTorch computes the FP32 SiLU; the kernels round it to the
 weight's dtype themselves (the round-to-nearest-even of ``.to(weight.dtype)``), which saves a launch.
-fp32 weights multiply in true fp32 (no TF32). The
+fp32 weights multiply in true fp32 (no TF32), each K tile folded in with a Kahan step. The
 forward streams the weight once for up to 16 T rows; every output element is accumulated in FP32
 over K in the same ascending tile order whatever T is, so a row's bits never depend on the other
 rows. The backward never rounds the FP32 table gradient: ``d_act`` reduces over N through fixed
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
-from flowlock.ops._dot import dot_f32
+from flowlock.ops._dot import add_compensated, dot_f32
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
@@ -42,6 +42,7 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
     mask_t = offs_t < T
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     dtype = w_ptr.dtype.element_ty
     for k0 in range(0, E, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
@@ -51,10 +52,11 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
                                      mask=mask_t[:, None] & mask_k[None, :], other=0.0)), dtype)
         w = tl.load(w_ptr + offs_n[None, :] * E + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST:
+        if dtype == tl.float32:
+            # True fp32: a plain += would be combined into one FMA chain over E (see flowlock.ops._dot).
+            acc, comp = add_compensated(acc, comp, dot_f32(a, w))
+        elif UPCAST:
             acc += dot_f32(a, to_f32(w))
-        elif dtype == tl.float32:
-            acc += dot_f32(a, w)
         else:
             acc += tl.dot(from_f32(a, dtype), w)
     bias = to_f32(tl.load(b_ptr + offs_n, mask=mask_n, other=0.0))

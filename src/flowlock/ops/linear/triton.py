@@ -11,8 +11,8 @@ dW        outputs N  inputs K    tokens M       A^T = dY (M, N), B = x (M, K)
 ========  =========  ==========  =============  ==================================
 
 Every output element accumulates from zero, ascending over the reduced dimension in blocks of
-``BLOCK_R`` (bf16 / fp16: ``acc = tl.dot(a, b, acc)``; fp32: each block's dot summed from zero, then
-added, in true fp32);
+``BLOCK_R`` (bf16 / fp16: ``acc = tl.dot(a, b, acc)``; an fp32 operand: each block's true-fp32 dot
+from zero, folded into the sum with a Kahan step, ``flowlock.ops._dot.add_compensated``);
 out-of-range operand elements are zero on every path. Its bits
 therefore depend only on its own A row, B column and ``BLOCK_R``, never on the tile that holds it,
 the grid, M, N or how columns are fused or sharded. ``BLOCK_R`` comes from ``flowlock.config`` and
@@ -40,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, config_for
 from flowlock.dispatch import interpreter_active
-from flowlock.ops._dot import dot_f32
+from flowlock.ops._dot import add_compensated, dot_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 
@@ -61,16 +61,22 @@ def _tile_coords(tile, n_i, n_j, GROUP_I: tl.constexpr):
 
 
 @triton.jit
-def _mma(a, b, acc, FP32_DOT: tl.constexpr):
-    # FP32_DOT: fp32 or mixed operands, or the interpreter (which computes bf16 dots wrongly; bf16
-    # and fp16 products are exact in fp32). "ieee" keeps fp32 out of TF32. The fp32 dot is a chain of FMAs
-    # on the GPU, so each BLOCK_R block is summed from zero and then added: error grows with
-    # BLOCK_R + R / BLOCK_R instead of R (measured on an H200: 5x cuBLAS's fp32 dX error over
-    # R = 5376 when chained).
-    if FP32_DOT:
-        return acc + dot_f32(a.to(tl.float32), b.to(tl.float32))
+def _mma(a, b, acc, comp, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr):
+    """``(acc, comp)`` after adding the block product ``a @ b``.
+
+    FP32_DOT: the product in fp32 through ``dot_f32`` (an fp32 or mixed operand, or the interpreter,
+    which computes bf16 dots wrongly; bf16 and fp16 products are exact in fp32). COMPENSATED (an fp32
+    operand): the block is folded in with a Kahan step. The true-fp32 dot is an FMA chain on the GPU
+    and a plain ``acc + dot`` is combined back into one chain over all of R (error growing with R:
+    2.5x cuBLAS's fp32 dX error at R = 7168 on an H200); the compensated fold keeps the error at one
+    BLOCK_R block's whatever R is. ``comp`` is untouched otherwise.
+    """
+    if COMPENSATED:
+        return add_compensated(acc, comp, dot_f32(a.to(tl.float32), b.to(tl.float32)))
+    elif FP32_DOT:
+        return acc + dot_f32(a.to(tl.float32), b.to(tl.float32)), comp
     else:
-        return tl.dot(a, b, acc)
+        return tl.dot(a, b, acc), comp
 
 
 @triton.jit
@@ -88,10 +94,11 @@ def _to_out(acc, OUT_DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 @triton.jit
 def _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, lo, hi, stride_ai, stride_ar, stride_br, stride_bj,
-                   acc, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr):
-    """acc += A[offs_i, lo:hi] @ B[lo:hi, offs_j], ascending in BLOCK_R steps."""
+                   acc, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr):
+    """acc + A[offs_i, lo:hi] @ B[lo:hi, offs_j], ascending in BLOCK_R steps (compensated over the range)."""
     mask_i = offs_i < I
     mask_j = offs_j < J
+    comp = tl.zeros_like(acc)
     for r0 in range(lo, hi, BLOCK_R):
         offs_r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
         mask_r = offs_r < hi
@@ -99,7 +106,7 @@ def _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, lo, hi, stride_ai, stride
                     mask=mask_i[:, None] & mask_r[None, :], other=0.0)
         b = tl.load(b_ptr + offs_r[:, None] * stride_br + offs_j[None, :] * stride_bj,
                     mask=mask_r[:, None] & mask_j[None, :], other=0.0)
-        acc = _mma(a, b, acc, FP32_DOT)
+        acc, comp = _mma(a, b, acc, comp, FP32_DOT, COMPENSATED)
     return acc
 
 
@@ -108,8 +115,8 @@ def _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, lo, hi, stride_ai, stride
 def _linear_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, I, J, R,
                         stride_ai, stride_ar, stride_br, stride_bj, stride_ci, stride_cj,
                         HAS_BIAS: tl.constexpr, UNIT: tl.constexpr, FP32_DOT: tl.constexpr,
-                        SOFT_BF16: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
-                        GROUP_I: tl.constexpr):
+                        COMPENSATED: tl.constexpr, SOFT_BF16: tl.constexpr, BLOCK_I: tl.constexpr,
+                        BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_I: tl.constexpr):
     """Pointer variant: one program per (BLOCK_I, BLOCK_J) output tile. UNIT == 0: one unit."""
     n_i = tl.cdiv(I, BLOCK_I)
     n_j = tl.cdiv(J, BLOCK_J)
@@ -119,12 +126,13 @@ def _linear_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, I, J, R,
     acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
     if UNIT == 0:
         acc = _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, 0, R, stride_ai, stride_ar, stride_br,
-                             stride_bj, acc, BLOCK_R, FP32_DOT)
+                             stride_bj, acc, BLOCK_R, FP32_DOT, COMPENSATED)
     else:
         for u in range(0, R, UNIT):
             part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
             part = _ptr_dot_range(a_ptr, b_ptr, offs_i, offs_j, I, J, u, tl.minimum(u + UNIT, R),
-                                  stride_ai, stride_ar, stride_br, stride_bj, part, BLOCK_R, FP32_DOT)
+                                  stride_ai, stride_ar, stride_br, stride_bj, part, BLOCK_R, FP32_DOT,
+                                  COMPENSATED)
             acc = acc + part
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_j, mask=offs_j < J, other=0.0)
@@ -136,8 +144,10 @@ def _linear_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, I, J, R,
 
 @triton.jit
 def _tma_dot_range(a_desc, b_desc, oi, oj, lo, hi, acc, A_T: tl.constexpr, B_T: tl.constexpr,
-                   BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr):
-    """acc += A[oi tile, lo:hi] @ B[lo:hi, oj tile]; TMA zero-fills past the tensor's edge."""
+                   BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr):
+    """acc + A[oi tile, lo:hi] @ B[lo:hi, oj tile] (compensated over the range); TMA zero-fills past
+    the tensor's edge."""
+    comp = tl.zeros_like(acc)
     for r0 in tl.range(lo, hi, BLOCK_R):
         if A_T:
             a = a_desc.load([r0, oi]).T
@@ -147,18 +157,19 @@ def _tma_dot_range(a_desc, b_desc, oi, oj, lo, hi, acc, A_T: tl.constexpr, B_T: 
             b = b_desc.load([oj, r0]).T
         else:
             b = b_desc.load([r0, oj])
-        acc = _mma(a, b, acc, FP32_DOT)
+        acc, comp = _mma(a, b, acc, comp, FP32_DOT, COMPENSATED)
     return acc
 
 
 @triton.jit
 def _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T: tl.constexpr, B_T: tl.constexpr,
                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
-                        UNIT: tl.constexpr, FP32_DOT: tl.constexpr):
+                        UNIT: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr):
     """The unit fold of _linear_gemm_tma_kernel as a single loop over BLOCK_R blocks: the same
     operations in the same order as the nested form, folding where a unit (or R) ends."""
     n_r = tl.cdiv(R, BLOCK_R)
     part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
     for ri in tl.range(0, n_r):
         r0 = ri * BLOCK_R
         if A_T:
@@ -169,10 +180,11 @@ def _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T: tl.constexpr, B_T: 
             b = b_desc.load([oj, r0]).T
         else:
             b = b_desc.load([r0, oj])
-        part = _mma(a, b, part, FP32_DOT)
+        part, comp = _mma(a, b, part, comp, FP32_DOT, COMPENSATED)
         if ((ri + 1) % (UNIT // BLOCK_R) == 0) | (ri == n_r - 1):
             acc = acc + part
             part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+            comp = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
     return acc
 
 
@@ -180,7 +192,8 @@ def _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T: tl.constexpr, B_T: 
 @triton.jit
 def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
                             A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            UNIT: tl.constexpr, FP32_DOT: tl.constexpr, SOFT_BF16: tl.constexpr,
+                            UNIT: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr,
+                            SOFT_BF16: tl.constexpr,
                             EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, FLAT_UNITS: tl.constexpr,
                             BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
                             GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
@@ -201,15 +214,15 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
         oj = pid_j * BLOCK_J
         acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
         if UNIT == 0:
-            acc = _tma_dot_range(a_desc, b_desc, oi, oj, 0, R, acc, A_T, B_T, BLOCK_R, FP32_DOT)
+            acc = _tma_dot_range(a_desc, b_desc, oi, oj, 0, R, acc, A_T, B_T, BLOCK_R, FP32_DOT, COMPENSATED)
         elif FLAT_UNITS:
             acc = _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T, B_T, BLOCK_I, BLOCK_J, BLOCK_R, UNIT,
-                                      FP32_DOT)
+                                      FP32_DOT, COMPENSATED)
         else:
             for u in range(0, R, UNIT):
                 part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
                 part = _tma_dot_range(a_desc, b_desc, oi, oj, u, tl.minimum(u + UNIT, R), part, A_T, B_T,
-                                      BLOCK_R, FP32_DOT)
+                                      BLOCK_R, FP32_DOT, COMPENSATED)
                 acc = acc + part
         if HAS_BIAS:
             offs_j = oj + tl.arange(0, BLOCK_J)
@@ -302,7 +315,8 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
     i_dim, j_dim = c.shape
     r_dim = a.shape[0] if a_t else a.shape[1]
     interpreted = interpreter_active()
-    fp32_dot = interpreted or a.dtype != b.dtype or a.dtype == torch.float32
+    compensated = a.dtype != b.dtype or a.dtype == torch.float32
+    fp32_dot = interpreted or compensated
     soft_bf16 = interpreted and c.dtype == torch.bfloat16
     bi, bj, br, unit = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["UNIT"]
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
@@ -316,7 +330,8 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
         programs = min(programs, tiles)
         _linear_gemm_tma_kernel[(programs,)](
             a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
-            A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
+            A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, COMPENSATED=compensated,
+            SOFT_BF16=soft_bf16,
             EPI_SPLIT=epi_split, FLATTEN=flatten, FLAT_UNITS=flat_units,
             BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -326,7 +341,8 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
         _linear_gemm_kernel[(tiles,)](
             a, b, bias if bias is not None else c, c, i_dim, j_dim, r_dim,
             s_ai, s_ar, s_br, s_bj, c.stride(0), c.stride(1),
-            HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, SOFT_BF16=soft_bf16,
+            HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, COMPENSATED=compensated,
+            SOFT_BF16=soft_bf16,
             BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return c

@@ -1,0 +1,31 @@
+"""The true-fp32 GEMMs' compensated block fold must survive Triton's compiler.
+
+Triton's combine pass rewrites ``acc + tl.dot(a, b)`` into ``tl.dot(a, b, acc)``, which turns a
+kernel that sums each K block from zero into one FMA chain over the whole reduction, silently (on
+an H200 the fp32 linear dX error grew to 2.5x cuBLAS's). This compiles the fp32 linear (pointer
+and TMA kernels, with and without token units) and AdaLN projection kernels for sm90 on the CPU
+(Triton's own pipeline to TTGIR, no GPU) in a subprocess with the interpreter off, and asserts that
+every ``tt.dot`` starts from a zero accumulator; the probe's plain-fold control must come out
+combined, which shows the check sees the rewrite.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+PROBE = pathlib.Path(__file__).resolve().parent / "fp32_fold_probe.py"
+
+
+def test_fp32_block_fold_is_not_combined_into_one_chain():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    dots = json.loads(run.stdout.strip().splitlines()[-1])
+    control = dots.pop("control")
+    assert control and not any(d["zero_acc"] for d in control), "the control's plain fold was not combined: probe is blind"
+    for kernel, found in dots.items():
+        assert found, f"{kernel}: no tt.dot in its TTGIR"
+        chained = [d["acc"] for d in found if not d["zero_acc"]]
+        assert not chained, f"{kernel}: tt.dot accumulates into {chained}: the compensated fold was combined away"
