@@ -1,4 +1,5 @@
-"""Compile flowlock's true-fp32 GEMM kernels for sm90 on this machine (no GPU: Triton's own
+"""Compile flowlock's true-fp32 GEMM kernels (and the AdaLN table's d_act, whose FP32 gradient
+multiplies bf16 weights in fp32) for sm90 on this machine (no GPU: Triton's own
 pipeline up to TTGIR) and print, as JSON, each kernel's ``tt.dot`` ops and whether each one's
 accumulator operand is a zero constant.
 
@@ -70,7 +71,10 @@ def main() -> None:
              "linear_ptr": (linear_kernels._linear_gemm_kernel, ptr_sig, dict(gemm, UNIT=0)),
              "linear_ptr_units": (linear_kernels._linear_gemm_kernel, ptr_sig, dict(gemm, UNIT=1024)),
              "adaln_table_fwd": (adaln_kernels._adaln_table_fwd_kernel, adaln_sig,
-                                 dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, UPCAST=False))}
+                                 dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, UPCAST=False)),
+             "adaln_table_bwd": (adaln_kernels._adaln_table_bwd_kernel,
+                                 {"g_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "N": "i32",
+                                  "E": "i32"}, dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=512))}
     for units, flat in ((0, False), (1024, False), (1024, True)):
         cases[f"linear_tma_unit{units}{'_flat' if flat else ''}"] = (
             linear_kernels._linear_gemm_tma_kernel, tma_sig,

@@ -8,7 +8,7 @@ fp32 weights multiply in true fp32 (no TF32), each K tile folded in with a Kahan
 forward streams the weight once for up to 16 T rows; every output element is accumulated in FP32
 over K in the same ascending tile order whatever T is, so a row's bits never depend on the other
 rows. The backward never rounds the FP32 table gradient: ``d_act`` reduces over N through fixed
-``CHUNK_N`` partials folded in ascending order, and ``dW``/``db`` sum the T rows in ascending order
+``CHUNK_N`` partials (each a Kahan-compensated sum of its BLOCK_N tiles) folded in ascending order, and ``dW``/``db`` sum the T rows in ascending order
 before one rounding to the weight's dtype. The row gather's backward is in :mod:`flowlock.ops.adaln.table_grad`.
 """
 
@@ -79,6 +79,7 @@ def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
     mask_t = offs_t < T
     mask_k = offs_k < E
     acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     for n0 in range(0, CHUNK_N, BLOCK_N):
         offs_n = pid_c * CHUNK_N + n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         mask_n = offs_n < N
@@ -86,7 +87,9 @@ def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * E + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += dot_f32(g, to_f32(w))
+        # g is FP32 whatever the weight's dtype, so this is a true-fp32 dot: folded with a Kahan step
+        # (a plain += would be combined into one FMA chain over the chunk, see flowlock.ops._dot).
+        acc, comp = add_compensated(acc, comp, dot_f32(g, to_f32(w)))
     base = pid_c.to(tl.int64) * T * E
     tl.store(part_ptr + base + offs_t[:, None] * E + offs_k[None, :], acc,
              mask=mask_t[:, None] & mask_k[None, :])
