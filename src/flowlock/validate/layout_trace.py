@@ -128,7 +128,7 @@ def _where(mask: torch.Tensor, seq_dim: int | None, meta: dict, batched: bool) -
 
 
 def _rank_label(meta: dict) -> dict:
-    return {"rank": meta["rank"], "dp_rank": meta["dp_rank"], "ulysses_rank": meta["ulysses_rank"],
+    return {"rank": meta["rank"], **{k: meta[k] for k in ("dp_rank", "ulysses_rank", "tp_rank") if k in meta},
             "shard": meta["rows"]}
 
 
