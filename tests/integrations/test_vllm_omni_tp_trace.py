@@ -19,8 +19,8 @@ def traces(tmp_path_factory):
     load = lambda job, rank: torch.load(root / job / f"rank{rank}.pt", weights_only=False)  # noqa: E731
     for job, world in (("trace1", 1), ("trace2", 2)):
         for rank in range(world):
-            assert "rank %d ok" % rank in (root / job / f"rank{rank}.log").read_text(), \
-                (root / job / f"rank{rank}.log").read_text()[-3000:]
+            log = (root / job / f"rank{rank}.log").read_text()
+            assert f"rank {rank} ok" in log, log[-3000:]
     return load("trace1", 0), [load("trace2", r) for r in range(2)]
 
 

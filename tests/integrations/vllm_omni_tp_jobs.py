@@ -9,7 +9,8 @@ diffusers weights sharded by vLLM-Omni's own ``load_weights``. Rank ``r`` of job
 ``OUT/J/rank{r}.pt``; the launcher writes ``OUT/J/status.json`` (exit codes, ``None`` for a rank it had
 to kill at the deadline, and the wall time).
 
-Jobs: ``trace<N>`` (per-module outputs at TP = N for ``flowlock.validate.layout_trace.compare``), ``sp<N>`` (Ulysses N as vLLM-Omni serves it: its diffusion groups, ``ulysses_degree`` and
+Jobs: ``trace<N>`` (per-module outputs at TP = N for ``flowlock.validate.layout_trace.compare``),
+``sp<N>`` (Ulysses N as vLLM-Omni serves it: its diffusion groups, ``ulysses_degree`` and
 its ``_sp_plan`` hooks), ``tp<N>i`` (flowlock's Triton kernels, interpreted, one request),
 ``tp<N>`` (the exact run, then a planted naive all-reduce; TP = 1 also records the diffusers
 strict outputs and counts collectives), ``disagree`` (rank 1 has one block fewer), ``failing``,
@@ -271,7 +272,8 @@ def job_trace(rank: int, world: int, out: Path) -> None:
     meta = dict(rank=rank, world=world, tp_rank=rank, seq_len=-1, batch=-1, batch_start=0, local_batch=-1,
                 rows=[0, 0])
     saved = {}
-    plants = {"clean": None, "naive_all_reduce": _naive_k_sharded_linear, "rank1_fault": _rank1_last_fc2(native, rank)}
+    plants = {"clean": None, "naive_all_reduce": _naive_k_sharded_linear,
+              "rank1_fault": _rank1_last_fc2(native, rank)}
     original = NativeTensorParallel.k_sharded_linear
     for name, plant in plants.items():
         NativeTensorParallel.k_sharded_linear = plant or original
