@@ -5,7 +5,9 @@
                     ``--rollout vllm-omni`` samples in vLLM-Omni and replays in diffusers instead.
 ``flowlock check``  the validation suites; exit status 1 on any failure.
 ``flowlock trace``  first divergence between a sample alone and inside a batch, strict and provider;
-                    ``--rollout vllm-omni``: the first module where vLLM-Omni and diffusers differ.
+                    ``--rollout vllm-omni``: the first module where vLLM-Omni and diffusers differ;
+                    ``--layout L [--against ulysses=1]``: the first module and rank where layout L
+                    differs from one process (gloo subprocesses).
 ``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate);
                     flags after the names go to the scripts.
 ``flowlock convert`` a diffusers H3 checkpoint directory to vLLM-Omni native names or back
@@ -269,7 +271,33 @@ def _describe(result: dict) -> str:
             f"{div['max_abs_diff']:.3e} (max |ref| {div['max_abs_ref']:.3e})")
 
 
+def _trace_layout(args: argparse.Namespace) -> int:
+    """``trace --layout``: :func:`flowlock.validate.layout_trace.trace_layouts` on gloo subprocesses."""
+    from flowlock.validate.layout_trace import describe, parse_layout, trace_layouts
+
+    modes = ("strict", "provider") if args.mode == "both" else (args.mode,)
+    try:
+        ulysses = parse_layout(args.layout)[1]
+        if "provider" in modes and args.seq % ulysses:
+            raise ValueError(f"the stock diffusers path (provider) needs S divisible by the Ulysses degree "
+                             f"{ulysses}; got --seq {args.seq}")
+        report = trace_layouts(args.layout, args.against, runs=tuple((m, args.seq) for m in modes))
+    except (ValueError, RuntimeError) as err:
+        print(f"flowlock trace: {err}", file=sys.stderr)
+        return 2
+    print(describe(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["ok"] else 1
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
+    if args.layout:
+        if args.rollout != "diffusers":
+            print("flowlock trace: --layout traces the diffusers trainer path; it does not combine with --rollout",
+                  file=sys.stderr)
+            return 2
+        return _trace_layout(args)
     if args.rollout == "vllm-omni":
         return _across_engines(args)
     device = _device(args.device)
@@ -422,6 +450,16 @@ def build_parser() -> argparse.ArgumentParser:
                                       "subprocesses (ulysses=2, ulysses=4, dp=2,ulysses=2)")
     trace_parser = sub.choices["trace"]
     trace_parser.add_argument("--rollout", **rollout)
+    trace_parser.add_argument("--layout", default=None,
+                              help="instead: the first module and rank whose bits differ between this layout "
+                                   "(ulysses=2, ulysses=4, dp=2, dp=2,ulysses=2, dp=2,ulysses=4) and --against, "
+                                   "forward and backward, on gloo subprocesses (tiny H3)")
+    trace_parser.add_argument("--against", default="ulysses=1", help="with --layout: the reference layout "
+                              "(one process, ulysses=1)")
+    trace_parser.add_argument("--mode", choices=("strict", "provider", "both"), default="strict",
+                              help="with --layout: flowlock strict, the stock diffusers path, or both")
+    trace_parser.add_argument("--seq", type=int, default=25, help="with --layout: packed rows per sample "
+                              "(default 25: uneven shards; the stock path needs a multiple of the degree)")
     bench = sub.add_parser("bench", help="run benchmark scripts (each gated by its CPU tests)")
     bench.add_argument("names", nargs="*", metavar="NAME",
                        help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)} but "

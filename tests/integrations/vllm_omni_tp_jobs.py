@@ -9,7 +9,8 @@ diffusers weights sharded by vLLM-Omni's own ``load_weights``. Rank ``r`` of job
 ``OUT/J/rank{r}.pt``; the launcher writes ``OUT/J/status.json`` (exit codes, ``None`` for a rank it had
 to kill at the deadline, and the wall time).
 
-Jobs: ``sp<N>`` (Ulysses N as vLLM-Omni serves it: its diffusion groups, ``ulysses_degree`` and
+Jobs: ``trace<N>`` (per-module outputs at TP = N for ``flowlock.validate.layout_trace.compare``),
+``sp<N>`` (Ulysses N as vLLM-Omni serves it: its diffusion groups, ``ulysses_degree`` and
 its ``_sp_plan`` hooks), ``tp<N>i`` (flowlock's Triton kernels, interpreted, one request),
 ``tp<N>`` (the exact run, then a planted naive all-reduce; TP = 1 also records the diffusers
 strict outputs and counts collectives), ``disagree`` (rank 1 has one block fewer), ``failing``,
@@ -241,6 +242,50 @@ def job_layout(rank: int, world: int, out: Path) -> None:
     torch.save(saved, out / f"rank{rank}.pt")
 
 
+def _rank1_last_fc2(native, rank: int):
+    """A planted fault on rank 1 alone: the last block's ``fc2`` output, after its row gather, gets
+    +1 in row 0, column 0 there. Nothing after it in that block exchanges data, so only rank 1's
+    ``blocks.<last>`` output differs (the final layer's column gather then spreads it)."""
+    original = NativeTensorParallel.k_sharded_linear
+    target = native.blocks[-1].mlp.fc2
+
+    def planted(self, module, x):
+        y = original(self, module, x)
+        if rank == 1 and module is target:
+            y = y.clone()
+            y[0, 0] += 1.0
+        return y
+
+    return planted
+
+
+def job_trace(rank: int, world: int, out: Path) -> None:
+    """``flowlock trace`` across TP degrees: every module output of one strict forward (the
+    ``unpadded`` request, 25 rows) recorded on each rank, clean and with two plants (a no-op at
+    TP = 1, which issues no K-sharded linear): the stock row-parallel all-reduce, and a fault on
+    rank 1 alone. Saved in :func:`flowlock.validate.layout_trace.compare`'s form."""
+    from flowlock.validate.trace import capture
+
+    _, native = _models()
+    kwargs = native_kwargs([make_request(**s) for s in CASES["unpadded"]])
+    # activations are replicated under TP: every record is compared whole (no row or sample shards)
+    meta = dict(rank=rank, world=world, tp_rank=rank, seq_len=-1, batch=-1, batch_start=0, local_batch=-1,
+                rows=[0, 0])
+    saved = {}
+    plants = {"clean": None, "naive_all_reduce": _naive_k_sharded_linear,
+              "rank1_fault": _rank1_last_fc2(native, rank)}
+    original = NativeTensorParallel.k_sharded_linear
+    for name, plant in plants.items():
+        NativeTensorParallel.k_sharded_linear = plant or original
+        try:
+            with install(native), flowlock.mode("strict"):
+                records = capture(native, lambda: native(**kwargs))
+        finally:
+            NativeTensorParallel.k_sharded_linear = original
+        saved[name] = {"meta": meta, "forward": [(r.name, list(r.outputs)) for r in records], "backward": []}
+    torch.save(saved, out / f"rank{rank}.pt")
+
+
 def job_disagree(rank: int, world: int, out: Path) -> None:
     _, native = _models()
     if rank == 1:
@@ -283,6 +328,8 @@ def job_fault(name: str):
 
 
 def _job(name: str):
+    if name.startswith("trace"):
+        return int(name[5:]), job_trace
     if name.startswith("tp") and name.endswith("i"):
         return int(name[2:-1]), job_interpreted
     if name.startswith("tp"):

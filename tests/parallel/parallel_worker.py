@@ -9,6 +9,7 @@ Each scenario asserts as it goes (a failure exits non-zero with the traceback) a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 import flowlock.models.minimax_h3.strict as h3_strict
-from flowlock.models.minimax_h3 import build_layout, tiny_h3, tiny_inputs
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, tiny_h3, tiny_inputs
 from flowlock.parallel import CollectiveError
 from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
 from flowlock.validate.layout_worker import (
@@ -36,6 +37,7 @@ from flowlock.validate.layout_worker import (
     forward_backward,
     init,
     reduce_and_check,
+    trace_layout,
 )
 
 
@@ -202,10 +204,40 @@ def scenario_stuck_rank(rank: int) -> None:
     _faulty(rank, lambda: time.sleep(float(os.environ["FLOWLOCK_STUCK_S"])))
 
 
+@contextlib.contextmanager
+def row_count_ffn_down_projection():
+    """A planted fault for ``flowlock trace --layout``: the feed-forward down-projection (K = the
+    FFN width) sums the two halves of K separately below 25 rows, as a small-M split-K heuristic
+    would. At S = 25 one process gives the blocks 50 rows and Ulysses-2 ranks 26 and 24, so only
+    rank 1's rows of ``transformer_blocks.0`` differ (after the block's attention, so rank 0's rows of
+    that block are still exact); the refiner's 10 rows take the planted path in both layouts alike."""
+    real = h3_strict.linear
+    ffn = TINY_H3_CONFIG["ffn_dim"]
+
+    def planted(x, weight, bias=None, **kwargs):
+        if x.shape[-1] != ffn or x.numel() // x.shape[-1] >= 25:
+            return real(x, weight, bias, **kwargs)
+        half = x.shape[-1] // 2
+        out = real(x[..., :half].contiguous(), weight[:, :half].contiguous())
+        out = out + real(x[..., half:].contiguous(), weight[:, half:].contiguous())
+        return out if bias is None else out + bias
+
+    h3_strict.linear = planted
+    try:
+        yield
+    finally:
+        h3_strict.linear = real
+
+
+def scenario_trace(rank: int, *args: str) -> None:
+    """``flowlock trace --layout``'s rank program with this file's plants available."""
+    trace_layout(rank, *args, plants={"ffn_rows": row_count_ffn_down_projection})
+
+
 def main() -> None:
     _poison_allocations()
     rank = init()
-    globals()["scenario_" + sys.argv[1]](rank)
+    globals()["scenario_" + sys.argv[1]](rank, *sys.argv[2:])
     dist.destroy_process_group()
     print(f"rank {rank} ok", flush=True)
 

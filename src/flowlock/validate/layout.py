@@ -32,8 +32,9 @@ def _free_port() -> int:
 
 
 def launch(world: int, scenario: str, worker: str | Path | None = None, timeout: float = 600.0,
-           pg_timeout: float = 60.0, extra_env: dict | None = None) -> tuple[list[Rank], float]:
-    """Run ``worker SCENARIO`` (a script path, default ``-m flowlock.validate.layout_worker``) on ``world``
+           pg_timeout: float = 60.0, extra_env: dict | None = None, args: list[str] = ()
+           ) -> tuple[list[Rank], float]:
+    """Run ``worker SCENARIO ARGS...`` (a script path, default ``-m flowlock.validate.layout_worker``) on ``world``
     gloo ranks; return each rank's result and the wall time until the last one ended. The workers
     import the same flowlock as this process; their process group times out after ``pg_timeout`` s."""
     import flowlock
@@ -43,7 +44,7 @@ def launch(world: int, scenario: str, worker: str | Path | None = None, timeout:
                PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
                FLOWLOCK_PG_TIMEOUT=str(pg_timeout), OMP_NUM_THREADS="1", **(extra_env or {}))
     command = [sys.executable, *(["-m", "flowlock.validate.layout_worker"] if worker is None else [str(worker)]),
-               scenario]
+               scenario, *args]
     start = time.monotonic()
     procs = [subprocess.Popen(command, env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in range(world)]

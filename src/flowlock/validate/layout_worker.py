@@ -18,6 +18,7 @@ ZeroDivisionError when the count is 0.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -149,6 +150,16 @@ def check_ulysses(rank: int, extra=None) -> None:
             extra(ref, model, sharded)
 
 
+def shard_over_dp(model, dp_mesh) -> None:
+    """FSDP2 units as verl-omni wraps H3 (blocks and refiner blocks), plus ``norm_out`` and the FP32
+    modules as units of their own (FSDP2 wants one dtype per unit), then the root; on ``dp_mesh``."""
+    for module in [*model.token_refiner.refiner_blocks, *model.transformer_blocks, model.norm_out]:
+        fully_shard(module, mesh=dp_mesh)
+    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+        fully_shard(model.get_submodule(name), mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
 def check_fsdp_ulysses(rank: int):
     """FSDP2 dp 2 x Ulysses 2 on 4 ranks at S = 24 and 25; returns the (dp, ring, ulysses) mesh."""
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "ring", "ulysses"))
@@ -156,11 +167,7 @@ def check_fsdp_ulysses(rank: int):
     ref = model_for(2)
     model = cp_model(2, mesh=mesh)
     sharded = {name for name, _ in h3_cp.row_sharded_parameters(model)}
-    for module in [*model.token_refiner.refiner_blocks, *model.transformer_blocks, model.norm_out]:
-        fully_shard(module, mesh=mesh["dp"])
-    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
-        fully_shard(model.get_submodule(name), mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    shard_over_dp(model, mesh["dp"])
     with flowlock.patch(ref), flowlock.patch(model):
         for layout in LAYOUTS[:2]:
             what = f"FSDP2 dp 2 x Ulysses 2, S={layout.seq_len}, rank {rank}"
@@ -169,12 +176,64 @@ def check_fsdp_ulysses(rank: int):
     return mesh
 
 
-SCENARIOS = {"ulysses": check_ulysses, "fsdp_ulysses": check_fsdp_ulysses}
+def trace_layout(rank: int, out_dir: str, spec: str, model_degree: str, *runs: str, plants: dict | None = None
+                 ) -> None:
+    """One rank of a ``flowlock trace --layout`` job under layout ``spec`` (``dp=D,ulysses=U``;
+    :func:`flowlock.validate.layout_trace.parse_layout`), ``model_degree`` picking the model
+    (:func:`model_for`) so that both layouts of a trace hold the same weights.
+
+    Each of ``runs`` (``MODE:SEQ_LEN[:PLANT]``) is one forward and backward of the batch of
+    :func:`flowlock.validate.layout_trace.layout_inputs` in ``MODE``, recording every module's output,
+    the gradient of every module output (:func:`flowlock.validate.trace.capture_step`) and the latent
+    input gradients; inside ``plants[PLANT]()`` (a context manager; tests plant faults this way) when
+    named. Written with this rank's place in the layout to ``out_dir/rank<r>.pt``."""
+    from flowlock.parallel import RowShards
+    from flowlock.validate.layout_trace import layout_inputs, parse_layout
+    from flowlock.validate.trace import Record, capture_step
+
+    dp, ulysses = parse_layout(spec)
+    if dist.get_world_size() != dp * ulysses:
+        raise ValueError(f"layout {spec} needs {dp * ulysses} ranks, the job has {dist.get_world_size()}")
+    dp_rank, ulysses_rank = divmod(rank, ulysses)
+    model = model_for(int(model_degree))
+    mesh = init_device_mesh("cpu", (dp, 1, ulysses), mesh_dim_names=("dp", "ring", "ulysses")) if dp > 1 else None
+    if ulysses > 1:
+        cp_model(ulysses, base=model, **({} if mesh is None else {"mesh": mesh}))
+    if dp > 1:
+        shard_over_dp(model, mesh["dp"])
+    per_dp = BATCH // dp
+    rows = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+    saved = {}
+    for run in runs:
+        mode, seq_len, *plant = run.split(":")
+        inputs = layout_inputs(int(seq_len))
+        latent_grads = []
+
+        def step(mode=mode, inputs=inputs, latent_grads=latent_grads):
+            with flowlock.mode(mode):
+                latent_grads.extend(forward_backward(model, inputs, rows)[0][2:])
+
+        with contextlib.ExitStack() as stack:
+            if plant:
+                stack.enter_context(plants[plant[0]]())
+            stack.enter_context(flowlock.patch(model))
+            forward, backward = capture_step(model, step)
+        backward += [Record(f"<input {name}>", (g,)) for name, g in zip(LATENTS, latent_grads)]
+        meta = dict(rank=rank, world=dp * ulysses, dp=dp, ulysses=ulysses, dp_rank=dp_rank,
+                    ulysses_rank=ulysses_rank, seq_len=int(seq_len), batch=BATCH, batch_start=rows.start,
+                    local_batch=per_dp, rows=list(RowShards(int(seq_len), ulysses, ulysses_rank).bounds()))
+        saved[run] = {"meta": meta, **{phase: [(r.name, list(r.outputs)) for r in records]
+                                       for phase, records in (("forward", forward), ("backward", backward))}}
+        print(f"rank {rank}: traced {run}", flush=True)
+    torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+SCENARIOS = {"ulysses": check_ulysses, "fsdp_ulysses": check_fsdp_ulysses, "trace": trace_layout}
 
 
 def main() -> None:
     rank = init()
-    SCENARIOS[sys.argv[1]](rank)
+    SCENARIOS[sys.argv[1]](rank, *sys.argv[2:])
     dist.destroy_process_group()
     print(f"rank {rank} ok", flush=True)
 

@@ -92,6 +92,47 @@ def capture(model: torch.nn.Module, run: Callable[[], object]) -> list[Record]:
     return records
 
 
+def capture_step(model: torch.nn.Module, step: Callable[[], object]) -> tuple[list[Record], list[Record]]:
+    """Call ``step()`` (a forward with autograd recording, then its backward) with a forward hook on
+    every module of ``model``; return the forward records and the backward records.
+
+    Forward records are :func:`capture`'s (completion order, ``name#k`` for a module's ``k``-th call).
+    Backward records hold the gradient of each module output that receives one, in the order autograd
+    produced them, named after the output: ``name`` for a module's only tensor output, ``name:i`` for
+    output ``i`` of several. Hooks are removed even when ``step`` raises.
+    """
+    forward: list[Record] = []
+    backward: list[Record] = []
+    calls: dict[str, int] = {}
+    handles = []
+
+    def grad_hook(label: str):
+        def hook(grad):
+            backward.append(Record(label, (grad.detach().clone(),)))
+        return hook
+
+    def hook_for(name: str):
+        def hook(module, args, output):
+            k = calls.get(name, 0)
+            calls[name] = k + 1
+            label = name if k == 0 else f"{name}#{k}"
+            tensors = _tensors(output)
+            forward.append(Record(label, tuple(t.detach().clone() for t in tensors)))
+            for i, t in enumerate(tensors):
+                if t.requires_grad:
+                    t.register_hook(grad_hook(label if len(tensors) == 1 else f"{label}:{i}"))
+        return hook
+
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_hook(hook_for(name or "<root>")))
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    return forward, backward
+
+
 def _pair(a: torch.Tensor, b: torch.Tensor, batch_a: int, batch_b: int, sample_a: int,
           sample_b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The two views to compare for one sample, or ``None`` when the shapes cannot correspond."""

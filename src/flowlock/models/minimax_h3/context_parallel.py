@@ -33,6 +33,10 @@ from flowlock.parallel import Ulysses, UlyssesSequence, check_heads, fold_sum_
 # Prefixes of the parameters applied to sharded rows: the blocks, norm_out, and the timestep
 # embedding, whose output feeds the AdaLN tables indexed by sharded rows.
 ROW_SHARDED = ("transformer_blocks.", "norm_out.", "time_embedder.")
+# Modules whose output is replicated (one value for the whole sample, or batch) but consumed by the
+# sharded rows: under Ulysses (and data parallelism) each rank's gradient of that output is its own
+# rows' (samples') contribution, summed only in the parameter gradients (reduce_gradients).
+PARTIAL_OUTPUT_GRADIENTS = ("time_embedder",)
 
 
 def context_parallel_config(model: nn.Module):

@@ -1,0 +1,61 @@
+"""``flowlock trace --layout``: Ulysses 2 against one process on gloo subprocesses, the tiny H3.
+
+One job per layout runs three traced steps (forward and backward): strict at S = 25 (uneven shards),
+strict with a planted row-count-dependent FFN down-projection that only rank 1's row count triggers,
+and the stock diffusers path (provider) at S = 24 (stock Ulysses needs S divisible by the degree).
+Strict must report no module differing; the plant must be named at ``transformer_blocks.0`` on rank 1
+alone, within rank 1's full-sequence rows; the stock path first differs in the token refiner's
+attention on every rank (diffusers routes the replicated refiner rows through the all-to-all).
+"""
+
+import pytest
+from parallel_launch import WORKER
+
+from flowlock.validate.layout_trace import describe, trace_layouts
+
+
+@pytest.fixture(scope="module")
+def report():
+    return trace_layouts("ulysses=2", runs=(("strict", 25), ("strict", 25, "ffn_rows"), ("provider", 24)),
+                         worker=WORKER, timeout=240.0)
+
+
+def test_strict_ulysses2_has_no_differing_module(report):
+    strict = report["runs"][0]
+    assert strict["divergence"] is None, describe(report)
+    assert strict["records"]["forward"] >= 10 and strict["records"]["backward"] >= 10
+    # the timestep embedding's gradient is each rank's partial by contract, and only that
+    assert strict["partial"] == ["time_embedder"]
+    assert report["ok"]
+
+
+def test_planted_fault_is_named_at_its_module_and_rank(report):
+    planted = report["runs"][1]
+    div = planted["divergence"]
+    assert div is not None and div["phase"] == "forward", describe(report)
+    assert div["module"] == "transformer_blocks.0" and div["kind"] == "values"
+    assert [d["rank"] for d in div["ranks"]] == [1]
+    rank1 = div["ranks"][0]
+    assert rank1["shard"] == [13, 25]
+    assert 13 <= rank1["rows"][0] <= rank1["rows"][1] < 25 and rank1["samples"] == [0, 1]
+    assert "first forward divergence at transformer_blocks.0 (record" in describe(report)
+
+
+def test_stock_ulysses_path_differs_first_in_the_refiner_attention(report):
+    div = report["runs"][2]["divergence"]
+    assert div is not None and div["phase"] == "forward", describe(report)
+    assert div["module"].startswith("token_refiner.refiner_blocks.0.attn"), div["module"]
+    assert [d["rank"] for d in div["ranks"]] == [0, 1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layout", "ulysses=3"], "unknown layout 'ulysses=3'; supported: ulysses=1, ulysses=2, ulysses=4, dp=2,"),
+    (["--layout", "ulysses=2", "--against", "ulysses=2"], "--against must be one process (ulysses=1)"),
+    (["--layout", "ulysses=2", "--mode", "provider", "--seq", "25"], "needs S divisible by the Ulysses degree 2"),
+    (["--layout", "ulysses=2", "--rollout", "vllm-omni"], "does not combine with --rollout"),
+])
+def test_cli_refuses_before_any_job(argv, message, capsys):
+    from flowlock.cli import main
+
+    assert main(["trace", *argv]) == 2
+    assert message in capsys.readouterr().err
