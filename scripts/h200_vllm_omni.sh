@@ -75,10 +75,16 @@ EOF
 install_bundle() {
     set -euo pipefail
     rm -rf "$SITE" && mkdir -p "$SITE"
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        "$BUNDLE"/wheels/*.whl .whl/*.whl
+    local w failed=0 pip=("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
+    if ! "${pip[@]}" "$BUNDLE"/wheels/*.whl .whl/*.whl; then
+        # one unsupported wheel (a glibc tag, say) fails them all: install the rest one by one, name the failures
+        for w in "$BUNDLE"/wheels/*.whl .whl/*.whl; do
+            "${pip[@]}" "$w" || { echo "WHEEL FAILED: $w"; failed=1; }
+        done
+    fi
     "$PYTHON" -m zipfile -e "$BUNDLE"/vllm_py.zip "$SITE"
     ls "$SITE" | tr '\n' ' '; echo
+    return "$failed"  # the later stages run either way
 }
 
 import_probe() {
