@@ -15,7 +15,14 @@ vLLM-Omni's own ``load_weights``. Requests are laid out by vLLM-Omni's packer
 * the attention backend vLLM-Omni resolved for each role.
 
 Needs vllm 0.30.0 and vllm-omni 0.30.0 importable (``requirements/vllm-cpu.txt``; on a GPU the
-platform's attention backend must load). Run: ``python benchmarks/bench_vllm_omni.py --out
+platform's attention backend must load). Where vllm has no compiled ops (the pure-Python bundle of
+``scripts/vllm_omni_bundle.py``, as on the H200), the test suite's runtime (``tests/vllm_omni_env.py``)
+is used on the GPU too: vLLM and vLLM-Omni on their unspecified platforms, attention through torch
+SDPA. Stock then means vLLM-Omni's torch-native paths (RMSNorm, SiLU-and-mul, q/k norm + RoPE), cuBLAS
+linears, torch SDPA attention (K/V cut to the request's rows) and vLLM-Omni's own Triton
+indexed-modulation kernels; not vllm's CUDA ``_C`` kernels, its Triton fused q/k norm + RoPE (gated
+on vLLM's CUDA platform) or FlashAttention. The JSON's ``vllm_runtime`` says which ran.
+Run: ``python benchmarks/bench_vllm_omni.py --out
 benchmarks/results/vllm_omni.json``; ``--smoke`` runs the tiny H3 on CPU with the test suite's CPU
 shims to check the script end to end.
 """
@@ -44,10 +51,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _test_runtime():
+    sys.path.insert(0, str(harness.REPO / "tests"))
+    import vllm_omni_env
+
+    return vllm_omni_env
+
+
 def build_native(config: dict, state_dict: dict, device: torch.device):
     """vLLM-Omni's model for the diffusers ``config`` on ``device``, weights through ``load_weights``."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
     from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMaxH3DiTModel
 
     vllm_config = VllmConfig(device_config=DeviceConfig(device.type))
@@ -58,9 +76,10 @@ def build_native(config: dict, state_dict: dict, device: torch.device):
         # the AdaLN memo cache off: every timed call repeats one timestep, which a rollout step does not
         parallel_config=SimpleNamespace(ulysses_degree=1), cache_config={"minimax_h3_adaln_cache": False})
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-        initialize_model_parallel(1)
+        if not model_parallel_is_initialized():  # the test runtime (pure-Python vllm) set one up
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            initialize_model_parallel(1)
         with torch.device(device):
             model = MiniMaxH3DiTModel(od_config)
     model.load_weights(state_dict.items())
@@ -124,11 +143,17 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     gate = harness.gate_or_exit(args, list(GATE_TESTS))
     torch.backends.cuda.matmul.allow_tf32 = False
+    env = _test_runtime()
+    # before vllm is imported: a vllm without compiled ops resolves the platforms a CPU host gets
+    pure_python = env.pin_pure_python_platforms()
+    if args.smoke or pure_python:
+        env.ensure_runtime()  # the test shims: SDPA attention, a one-rank gloo group
+        env.check_pure_python_platforms()
+    runtime = ("pure-Python vllm (no compiled ops): unspecified vLLM / vLLM-Omni platforms and the test shims "
+               "(tests/vllm_omni_env.py); stock = vLLM-Omni's torch-native paths, cuBLAS linears, torch SDPA, "
+               "vLLM-Omni's Triton indexed modulation" if pure_python else
+               "CPU test shims (tests/vllm_omni_env.py)" if args.smoke else "vllm with its compiled ops")
     if args.smoke:
-        sys.path.insert(0, str(harness.REPO / "tests"))
-        from vllm_omni_env import ensure_runtime
-
-        ensure_runtime()  # the CPU shims: vLLM-Omni has no CPU attention of its own
         config = {**TINY_H3_CONFIG, "in_channels": 24, "audio_in_channels": 32}
     else:
         config = full_width_config(num_layers=args.layers, num_refiner_layers=1)
@@ -142,6 +167,9 @@ def main(argv=None) -> int:
         native = build_native(config, diffusers.state_dict(), device)
     backends = sorted({f"{m.role}: {m.attn_backend.get_name()}" for m in native.modules()
                        if type(m).__name__ == "Attention" and getattr(m, "attn_backend", None) is not None})
+    from flowlock.validate.engines import _stock_packs
+
+    stock_packs = _stock_packs(native)  # vLLM-Omni's own rule: its attention isolates packed requests
     rows = []
     with flowlock.patch(diffusers), install(native):
         for i, shape in enumerate(shapes):
@@ -164,8 +192,8 @@ def main(argv=None) -> int:
                    "mismatches": {"flowlock_alone": mismatches(native, diffusers, alone, "strict"),
                                   "flowlock_packed": mismatches(native, diffusers, packed, "strict"),
                                   "stock_alone": mismatches(native, diffusers, alone, "provider")}}
-            if device.type == "cuda":
-                # vLLM-Omni's CPU attention (SDPA) refuses packed requests; GPU varlen backends take them
+            if stock_packs:
+                # vLLM-Omni's SDPA attention refuses packed requests; its GPU varlen backends take them
                 row["mismatches"]["stock_packed"] = mismatches(native, diffusers, packed, "provider")
             rows.append(row)
             print(f"S={row['S']}: flowlock/stock {timing['ratio_a_over_b']:.3f}; mismatches {row['mismatches']}",
@@ -173,7 +201,7 @@ def main(argv=None) -> int:
     payload = {"benchmark": "vllm_omni", "smoke": args.smoke, "config": config, "gate": gate,
                "environment": {**harness.environment(device), "vllm": harness._version("vllm"),
                                "vllm_omni": harness._version("vllm_omni")},
-               "attention_backends": backends,
+               "attention_backends": backends, "vllm_runtime": runtime, "stock_packs_requests": stock_packs,
                "method": "same vLLM-Omni model instance, install()ed strict vs provider mode, same process, "
                          "alternating order, median/p20/p80 of >= 20 timed forwards after warm-up; "
                          "AdaLN memo cache off",

@@ -27,7 +27,7 @@ CONDITION_TIMESTEP, AUDIO_REFERENCE_TIMESTEP = 0.999, 1.0
 @dataclass
 class Request:
     branch: MiniMaxH3DenoiseBranch
-    text: torch.Tensor  # (Nt, text_dim) bf16
+    text: torch.Tensor  # (Nt, text_dim) in the models' dtype (bf16, or fp32 for the all-FP32 models)
     video: torch.Tensor  # (Nv, 96) fp32, condition rows first
     audio: torch.Tensor  # (Na, 32) fp32
     t_video: float
@@ -36,15 +36,16 @@ class Request:
 
 def make_request(seed: int, *, text_len: int = 5, latent_t: int = 2, latent_hw: tuple[int, int] = (4, 6),
                  audio_t: int = 4, seq_len: int | None = None, keyframe: bool = False,
-                 t_video: float = 0.3, t_audio: float = 0.55) -> Request:
+                 t_video: float = 0.3, t_audio: float = 0.55, dtype: torch.dtype = torch.bfloat16) -> Request:
     """A request packed by vLLM-Omni: aligned to 64 rows unless ``seq_len`` (e.g. the used rows) is given;
-    ``keyframe`` adds a first-frame condition block (FL2VA), whose rows the native model zeroes."""
+    ``keyframe`` adds a first-frame condition block (FL2VA), whose rows the native model zeroes.
+    ``dtype``: of the prompt embeddings (the text encoder's output dtype; latents are always FP32)."""
     packed = minimax_h3_packed_sequence(
         text_len=text_len, latent_t=latent_t, latent_h=latent_hw[0], latent_w=latent_hw[1], audio_t=audio_t,
         include_keyframe_cond=keyframe, keyframe_frame_indices=[0] if keyframe else None,
         frame_count=4 * latent_t - 3 if keyframe else None, seq_len=seq_len)
     gen = torch.Generator().manual_seed(seed)
-    text = torch.randn(text_len, ENGINE_CONFIG["text_dim"], generator=gen).to(torch.bfloat16)
+    text = torch.randn(text_len, ENGINE_CONFIG["text_dim"], generator=gen).to(dtype)
     video = torch.randn(packed["img_pos"].numel(), 96, generator=gen)
     audio = torch.randn(packed["audio_pos"].numel(), 32, generator=gen)
     branch = MiniMaxH3DenoiseBranch(packed=packed, text_embeddings=text, token_tags=packed["token_tags"],

@@ -1,10 +1,14 @@
 """Engine invariance: vLLM-Omni + flowlock and diffusers + flowlock give the same bits.
 
 The same weights (vLLM-Omni's ``load_weights`` from the diffusers state dict), the same request
-(vLLM-Omni's own packer; the trainer replays the rollout's row order) and BF16 with H3's FP32
-modules: video and audio velocities, and the CPS log-probs of ``flowlock.rl`` computed from them,
-are bitwise equal across engines, for a request alone or packed with others, padded or not.
+(vLLM-Omni's own packer; the trainer replays the rollout's row order), in BF16 with H3's FP32
+modules and in FP32 (every parameter and the prompt embeddings; the native model cast whole before
+loading, as vLLM-Omni has no FP32 option): video and audio velocities, and the CPS log-probs of
+``flowlock.rl`` computed from them, are bitwise equal across engines, for a request alone or packed
+with others, padded or not. Every test runs in both dtypes, the planted faults included.
 """
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -23,6 +27,25 @@ REQUESTS = {
 }
 
 
+class Engines(NamedTuple):
+    diffusers: torch.nn.Module
+    native: torch.nn.Module
+    dtype: torch.dtype
+
+
+@pytest.fixture(params=["bf16", "fp32"])
+def engines(request, engines):
+    """Both engines, strict, in BF16 with the FP32 modules (``bf16``: conftest's ``engines``) or all
+    FP32 (``fp32``)."""
+    diffusers, native = engines if request.param == "bf16" else request.getfixturevalue("fp32_engines")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[request.param]
+    # the models really are in that dtype: the BF16 set of each engine, and the returned velocities' path
+    assert diffusers.context_embedder.weight.dtype == native.condition_proj.weight.dtype == dtype
+    assert {p.dtype for p in native.blocks.parameters()} == {p.dtype for p in diffusers.transformer_blocks.parameters()
+                                                             } == {dtype}
+    return Engines(diffusers, native, dtype)
+
+
 def _diffusers(model, request):
     with torch.no_grad():
         out = model(**diffusers_kwargs(request))
@@ -37,8 +60,8 @@ def _native(model, requests):
 
 @pytest.mark.parametrize("case", sorted(REQUESTS))
 def test_one_request_bitwise_equal_across_engines(engines, case):
-    diffusers, native = engines
-    request = make_request(**REQUESTS[case])
+    diffusers, native, dtype = engines
+    request = make_request(**REQUESTS[case], dtype=dtype)
     with flowlock.mode("strict") as rollout_frame:
         rollout = _native(native, [request])
     with flowlock.mode("strict") as trainer_frame:
@@ -51,16 +74,17 @@ def test_one_request_bitwise_equal_across_engines(engines, case):
 
 
 def test_padding_rows_never_change_real_rows(engines):
-    _, native = engines
-    unpadded, padded = make_request(seed=4, seq_len=25), make_request(seed=4)
+    _, native, dtype = engines
+    unpadded, padded = make_request(seed=4, seq_len=25, dtype=dtype), make_request(seed=4, dtype=dtype)
     assert padded.branch.seq_len == 64 > padded.branch.used_len == 25
     assert_bitwise_equal(_native(native, [padded]), _native(native, [unpadded]), "padded vs unpadded")
 
 
 def test_packed_requests_bitwise_equal_to_each_alone_in_both_engines(engines):
-    diffusers, native = engines
-    requests = [make_request(seed=5), make_request(seed=6, text_len=7, latent_t=1, audio_t=3, t_video=0.7, t_audio=0.2),
-                make_request(seed=7, keyframe=True, seq_len=41)]
+    diffusers, native, dtype = engines
+    requests = [make_request(seed=5, dtype=dtype),
+                make_request(seed=6, text_len=7, latent_t=1, audio_t=3, t_video=0.7, t_audio=0.2, dtype=dtype),
+                make_request(seed=7, keyframe=True, seq_len=41, dtype=dtype)]
     video, audio = _native(native, requests)
     for i, request in enumerate(requests):
         rows = request_rows(requests, i, video, audio)
@@ -69,8 +93,9 @@ def test_packed_requests_bitwise_equal_to_each_alone_in_both_engines(engines):
 
 
 def test_replay_splits_a_packed_forward_into_each_request_alone(engines):
-    diffusers, native = engines
-    requests = [make_request(seed=15, keyframe=True), make_request(seed=16, seq_len=30, text_len=4)]
+    diffusers, native, dtype = engines
+    requests = [make_request(seed=15, keyframe=True, dtype=dtype),
+                make_request(seed=16, seq_len=30, text_len=4, dtype=dtype)]
     packed = native_kwargs(requests)
     video, audio = _native(native, requests)
     replays = diffusers_requests(packed)
@@ -90,8 +115,8 @@ def test_replay_splits_a_packed_forward_into_each_request_alone(engines):
 
 
 def test_prepared_rope_table_gives_the_same_bits(engines):
-    _, native = engines
-    request = make_request(seed=8)
+    _, native, dtype = engines
+    request = make_request(seed=8, dtype=dtype)
     reference = _native(native, [request])
     request.branch.prepare_rope_table(native)
     assert "rope_table" in request.branch.static_kwargs
@@ -99,8 +124,8 @@ def test_prepared_rope_table_gives_the_same_bits(engines):
 
 
 def test_packed_forward_bitwise_repeatable(engines):
-    _, native = engines
-    requests = [make_request(seed=9), make_request(seed=10, text_len=3)]
+    _, native, dtype = engines
+    requests = [make_request(seed=9, dtype=dtype), make_request(seed=10, text_len=3, dtype=dtype)]
     assert_repeatable(lambda: _native(native, requests), runs=3)
 
 
@@ -112,8 +137,9 @@ def _cps(velocity, sample, sigma, sigma_next, sample_id, modality, prev=None):
 
 
 def test_cps_log_probs_of_a_packed_rollout_equal_the_diffusers_replay(engines):
-    diffusers, native = engines
-    requests = [make_request(seed=12), make_request(seed=13, text_len=6, audio_t=5, t_video=0.6, t_audio=0.4)]
+    diffusers, native, dtype = engines
+    requests = [make_request(seed=12, dtype=dtype),
+                make_request(seed=13, text_len=6, audio_t=5, t_video=0.6, t_audio=0.4, dtype=dtype)]
     video, audio = _native(native, requests)
     for i, request in enumerate(requests):
         sigma_v, sigma_a = 1.0 - request.t_video, 1.0 - request.t_audio
@@ -130,8 +156,8 @@ def test_cps_log_probs_of_a_packed_rollout_equal_the_diffusers_replay(engines):
 
 
 def test_harness_catches_attention_across_the_padding(engines, monkeypatch):
-    diffusers, native = engines
-    request = make_request(seed=1)
+    diffusers, native, dtype = engines
+    request = make_request(seed=1, dtype=dtype)
 
     def one_document(cu_seqlens, max_seqlen, total, **kwargs):
         return ((0, total),)
@@ -142,8 +168,8 @@ def test_harness_catches_attention_across_the_padding(engines, monkeypatch):
 
 
 def test_harness_catches_fc1_halves_left_in_native_order(engines, monkeypatch):
-    diffusers, native = engines
-    request = make_request(seed=1, seq_len=25)
+    diffusers, native, dtype = engines
+    request = make_request(seed=1, seq_len=25, dtype=dtype)
     swiglu = native_forward.swiglu
     monkeypatch.setattr(native_forward, "swiglu", lambda h: swiglu(torch.cat(h.chunk(2, dim=-1)[::-1], dim=-1)))
     with pytest.raises(AssertionError, match="not bitwise equal"):
@@ -153,9 +179,29 @@ def test_harness_catches_fc1_halves_left_in_native_order(engines, monkeypatch):
 @pytest.mark.slow
 def test_bitwise_equal_across_engines_on_the_triton_interpreter(engines):
     # The kernels a GPU rollout runs, interpreted (about 30 s of CPU): the engines agree on them too.
-    diffusers, native = engines
-    request = make_request(seed=14, seq_len=25)
+    diffusers, native, dtype = engines
+    request = make_request(seed=14, seq_len=25, dtype=dtype)
     with flowlock.use_backend("triton"), flowlock.mode("strict") as frame:
         rollout, trainer = _native(native, [request]), _diffusers(diffusers, request)
     assert {backend for _, backend in frame.ran} == {"triton"}
     assert_bitwise_equal(rollout, trainer, "interpreted kernels: vLLM-Omni vs diffusers")
+
+
+def test_fp32_rope_comes_from_the_positions_not_the_bf16_table(fp32_engines, monkeypatch):
+    # vLLM-Omni's prepared table is always BF16; an FP32 model (both engines) keeps cos / sin FP32
+    diffusers, native = fp32_engines
+    request = make_request(seed=8, seq_len=25, dtype=torch.float32)
+    request.branch.prepare_rope_table(native)
+    kwargs = native_kwargs([request])
+    assert kwargs["rope_table"].dtype == torch.bfloat16
+    assert_bitwise_equal(_native(native, [request]), _diffusers(diffusers, request), "FP32 with a prepared table")
+    # planted: the table used as given (cos / sin rounded to BF16) is caught
+    monkeypatch.setattr(native_forward, "_model_rope", lambda model, inputs: native_forward.rope_from_table(
+        inputs.rope_table))
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        assert_bitwise_equal(_native(native, [request]), _diffusers(diffusers, request))
+    monkeypatch.undo()
+    # a table that is not the one of these positions is refused
+    kwargs["rope_table"] = kwargs["rope_table"].roll(1, dims=0).clone()
+    with pytest.raises(ValueError, match="rope_table is not the BF16 table"), torch.no_grad():
+        native(**kwargs)

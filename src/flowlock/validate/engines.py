@@ -45,9 +45,11 @@ _NAMES = ((r"video_patch_proj", "proj_in"), (r"audio_patch_proj", "audio_proj_in
           (r"final_layer\.audio_out", "audio_proj_out"))
 
 
-def _branch(shape: tuple, text_dim: int, seed: int, device: torch.device, *, unpadded: bool = False):
+def _branch(shape: tuple, text_dim: int, seed: int, device: torch.device, *, unpadded: bool = False,
+            dtype: torch.dtype = torch.bfloat16):
     """One request laid out by vLLM-Omni (``MiniMaxH3DenoiseBranch`` over ``minimax_h3_packed_sequence``,
-    padded to its 64-row alignment unless ``unpadded``) with seeded BF16 prompt embeddings."""
+    padded to its 64-row alignment unless ``unpadded``) with seeded prompt embeddings in ``dtype``
+    (the models' own: bf16, or float32 for all-FP32 models)."""
     from vllm_omni.diffusion.models.minimax_h3.denoise_loop import MiniMaxH3DenoiseBranch
     from vllm_omni.diffusion.models.minimax_h3.packed_sequence import minimax_h3_packed_sequence
 
@@ -58,7 +60,7 @@ def _branch(shape: tuple, text_dim: int, seed: int, device: torch.device, *, unp
     if unpadded:
         packed = minimax_h3_packed_sequence(**layout, seq_len=int((packed["token_tags"] != -1).sum()))
     gen = torch.Generator().manual_seed(seed)
-    text = torch.randn(text_len, text_dim, generator=gen).to(torch.bfloat16).to(device)
+    text = torch.randn(text_len, text_dim, generator=gen).to(dtype).to(device)
     return MiniMaxH3DenoiseBranch(packed=packed, text_embeddings=text, token_tags=packed["token_tags"], device=device)
 
 
@@ -98,7 +100,9 @@ def run_engine_consistency(diffusers_model, native_model, *, n_requests: int = 3
     from flowlock.integrations.vllm_omni.replay import diffusers_requests
 
     device = next(diffusers_model.parameters()).device
-    branches = [_branch(SHAPES[i % len(SHAPES)], diffusers_model.config["text_dim"], seed * 1000 + i, device)
+    text_dtype = diffusers_model.context_embedder.weight.dtype
+    branches = [_branch(SHAPES[i % len(SHAPES)], diffusers_model.config["text_dim"], seed * 1000 + i, device,
+                        dtype=text_dtype)
                 for i in range(n_requests)]
     ids = list(range(n_requests))
     shapes = [((b.img_pos.numel(), 96), (b.audio_pos.numel(), 32)) for b in branches]
@@ -184,7 +188,8 @@ def trace_engines(diffusers_model, native_model, *, mode: str, seed: int = 1) ->
 
     device = next(diffusers_model.parameters()).device
     # unpadded, so both engines compute over the same rows
-    branch = _branch(SHAPES[0], diffusers_model.config["text_dim"], seed, device, unpadded=True)
+    branch = _branch(SHAPES[0], diffusers_model.config["text_dim"], seed, device, unpadded=True,
+                     dtype=diffusers_model.context_embedder.weight.dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     video = torch.randn(branch.img_pos.numel(), 96, generator=gen).to(device)
     audio = torch.randn(branch.audio_pos.numel(), 32, generator=gen).to(device)
@@ -241,9 +246,10 @@ def _synced_lora(diffusers_model, native_model, rank: int = 8, seed: int = 3) ->
     return f"peft LoRA r{rank}/alpha{2 * rank} on q/k/v/out/fc1/fc2, synced trainer -> rollout in memory"
 
 
-def engine_demo(device: torch.device, *, n_requests: int = 3, steps: int = 2, lora: bool | None = None,
-                consistency: bool = True) -> dict:
-    """The cross-engine demo on the tiny H3 (random weights): rollout/replay consistency (unless not
+def engine_demo(device: torch.device, *, dtype: torch.dtype = torch.bfloat16, n_requests: int = 3, steps: int = 2,
+                lora: bool | None = None, consistency: bool = True) -> dict:
+    """The cross-engine demo on the tiny H3 (random weights; ``dtype`` bf16 with H3's FP32 modules, or
+    float32 throughout, vLLM-Omni's model cast to match): rollout/replay consistency (unless not
     ``consistency``) and the trace, strict (both engines under flowlock) and stock (both engines' own
     forwards), side by side. ``lora``: the trainer carries a LoRA synced into vLLM-Omni
     (:func:`_synced_lora`); by default when peft is installed, and the report's ``adapter`` says
@@ -254,20 +260,28 @@ def engine_demo(device: torch.device, *, n_requests: int = 3, steps: int = 2, lo
     from flowlock.integrations.vllm_omni.runtime import native_from_diffusers
     from flowlock.models.minimax_h3 import TINY_H3_CONFIG, make_h3
 
-    diffusers_model = make_h3({**TINY_H3_CONFIG, **ROLLOUT_WIDTHS}, seed=0, device=device)
+    diffusers_model = make_h3({**TINY_H3_CONFIG, **ROLLOUT_WIDTHS}, seed=0, dtype=dtype, device=device)
     native_model = native_from_diffusers(diffusers_model)
     has_peft = importlib.util.find_spec("peft") is not None
     if lora is None:
         lora = has_peft
     adapter = _synced_lora(diffusers_model, native_model) if lora else (
         "no LoRA" if has_peft else "no LoRA (peft is not installed)")
+    # vLLM-Omni's own forward cannot run an FP32 model: it casts the text rows (and the AdaLN input) to
+    # BF16 ahead of FP32 weights, and its linears refuse the mixed dtypes
+    modes = ("strict", "provider") if dtype == torch.bfloat16 else ("strict",)
     with flowlock.patch(diffusers_model, mode="strict"), install(native_model, mode="strict"):
         runs = {mode: run_engine_consistency(diffusers_model, native_model, n_requests=n_requests, steps=steps,
-                                             mode=mode) for mode in ("strict", "provider")} if consistency else None
-        traces = {mode: trace_engines(diffusers_model, native_model, mode=mode) for mode in ("strict", "provider")}
+                                             mode=mode) for mode in modes} if consistency else None
+        traces = {mode: trace_engines(diffusers_model, native_model, mode=mode) for mode in modes}
     ok = (runs is None or runs["strict"]["bitwise_equal"]) and traces["strict"]["divergence"] is None
-    return {"device": str(device), "model": "tiny H3 (random weights), diffusers and vLLM-Omni 0.30.0",
-            "adapter": adapter, "consistency": runs, "trace": traces, "ok": ok}
+    payload = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
+               "model": "tiny H3 (random weights), diffusers and vLLM-Omni 0.30.0",
+               "adapter": adapter, "consistency": runs, "trace": traces, "ok": ok}
+    if "provider" not in modes:
+        payload["stock"] = ("not run: vLLM-Omni's own forward casts the text rows to BF16 before condition_proj and "
+                            "the AdaLN input to BF16, so it cannot run with FP32 weights")
+    return payload
 
 
 def _describe(trace: dict) -> str:
@@ -283,23 +297,29 @@ def format_report(payload: dict) -> str:
     """The cross-engine demo as text: per-step mismatches, strict and stock, then both traces."""
     lines = [f"flowlock --rollout vllm-omni: {payload['model']} on {payload['device']}; {payload['adapter']}"]
     if payload["consistency"] is not None:
-        lines += _consistency_lines(payload["consistency"]["strict"], payload["consistency"]["provider"])
+        lines += _consistency_lines(payload["consistency"]["strict"], payload["consistency"].get("provider"))
     for mode, label in (("strict", "strict"), ("provider", "stock")):
-        lines.append(f"trace {label:6s}: {_describe(payload['trace'][mode])}")
+        if mode in payload["trace"]:
+            lines.append(f"trace {label:6s}: {_describe(payload['trace'][mode])}")
+    if "stock" in payload:
+        lines.append(f"stock: {payload['stock']}")
     lines.append(f"strict path exactly on-policy across engines: {'yes' if payload['ok'] else 'NO'}")
     return "\n".join(lines)
 
 
-def _consistency_lines(strict: dict, stock: dict) -> list[str]:
+def _consistency_lines(strict: dict, stock: dict | None) -> list[str]:
     head = (f"{'step':4s} | {'strict velocity':16s} {'logp':4s} {'max|dlogp|':10s} | "
             f"{'stock velocity':16s} {'logp':4s} {'max|dlogp|':10s}")
+    stock_forward = "not run" if stock is None else stock["requests_per_forward"]
     lines = [f"rollout: {strict['n_requests']} requests x {strict['transitions']} CPS steps in vLLM-Omni, "
-             f"{strict['requests_per_forward']} per forward strict, {stock['requests_per_forward']} stock (vLLM-Omni "
+             f"{strict['requests_per_forward']} per forward strict, {stock_forward} stock (vLLM-Omni "
              "packs only where its attention isolates requests); replay: each request alone in diffusers, "
              "reversed order", head, "-" * len(head)]
-    for s, p in zip(strict["per_step"], stock["per_step"]):
-        cells = [f"{r['velocity_mismatches']}/{r['velocity_elements']}" for r in (s, p)]
-        lines.append(f"{s['step']:4d} | {cells[0]:16s} {s['logp_mismatches']:4d} {s['max_abs_dlogp']:10.3e} | "
-                     f"{cells[1]:16s} {p['logp_mismatches']:4d} {p['max_abs_dlogp']:10.3e}")
+    for k, s in enumerate(strict["per_step"]):
+        p = None if stock is None else stock["per_step"][k]
+        cell = f"{s['velocity_mismatches']}/{s['velocity_elements']}"
+        other = ("-" if p is None else f"{str(p['velocity_mismatches']) + '/' + str(p['velocity_elements']):16s} "
+                                       f"{p['logp_mismatches']:4d} {p['max_abs_dlogp']:10.3e}")
+        lines.append(f"{s['step']:4d} | {cell:16s} {s['logp_mismatches']:4d} {s['max_abs_dlogp']:10.3e} | {other}")
     lines.append("(velocity: elements differing rollout vs replay; logp: requests whose joint log-prob bits differ)")
     return lines

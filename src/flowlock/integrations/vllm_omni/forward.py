@@ -21,8 +21,10 @@ engines give the same bits:
   row depends only on its input row), then the update masks as vLLM-Omni applies them.
 
 RoPE comes from the positions as the diffusers strict path computes it; a caller's prepared BF16
-``rope_table`` is used as given (``qk_norm_rope`` rounds cos / sin to BF16 first, so a table that
-vLLM-Omni prepared from the same positions gives the same bits).
+``rope_table`` is used as given in a BF16 model (``qk_norm_rope`` rounds cos / sin to BF16 first, so a
+table that vLLM-Omni prepared from the same positions gives the same bits); an FP32 model keeps
+cos / sin FP32 as diffusers does, so there the table is checked against the positions and RoPE comes
+from the positions (:func:`_model_rope`).
 
 vLLM's linears return ``(output, bias)``; the patched linears keep that convention.
 
@@ -253,6 +255,34 @@ def final_layer_forward(run: NativeRun, final: nn.Module, x: torch.Tensor, *, t_
     return call_with_run(run, final.video_out, h)[0], call_with_run(run, final.audio_out, h)[0]
 
 
+def _model_rope(model: nn.Module, inputs) -> RopeTables:
+    """RoPE cos / sin for the packed rows: from the positions, or from vLLM-Omni's prepared table.
+
+    The table is always BF16 (vLLM-Omni builds it so and its forward refuses another dtype). Where
+    the attention runs in BF16, ``qk_norm_rope`` rounds cos / sin to BF16 first, so the table gives
+    the positions' bits and is used as given. In an FP32 model cos / sin stay FP32, as diffusers
+    computes them: the table would round them, so RoPE comes from ``img_position_ids`` and the table
+    is only checked (once per table) to be the BF16 table of those positions; any other raises
+    ValueError."""
+    inv_freq, positions = model.rope.inv_freq, inputs.img_position_ids
+
+    def from_positions() -> RopeTables:
+        return RopeTables(*memoized_over([positions, inv_freq], "rope_cos_sin",
+                                         lambda: rope_cos_sin(inv_freq, positions[0])))
+
+    table = inputs.rope_table
+    if table is None:
+        return from_positions()
+    if not model.blocks or _base_weight(model.blocks[0].attn.qkv_proj).dtype == torch.bfloat16:
+        return rope_from_table(table)
+    rope = from_positions()
+    if not memoized_over([table, positions, inv_freq], "h3_rope_table_of_positions",
+                         lambda: torch.equal(table, _native_table(rope))):
+        raise ValueError("rope_table is not the BF16 table vLLM-Omni prepares from img_position_ids; an FP32 model "
+                         "takes RoPE from the positions, at FP32 (a BF16 table would round cos / sin)")
+    return rope
+
+
 def model_forward(model: nn.Module, kwargs: dict, own_forward) -> tuple[torch.Tensor, torch.Tensor]:
     """``MiniMaxH3DiTModel.forward(**kwargs)`` on flowlock ops: ``(video [No, C_video], audio [Na, C_audio])``
     FP32, the rows of ``img_pos_for_infer_output_info`` and ``audio_pos_info``, update masks applied.
@@ -269,12 +299,7 @@ def model_forward(model: nn.Module, kwargs: dict, own_forward) -> tuple[torch.Te
         with mode("provider"):
             return own_forward()
     s = inputs.seq_len
-    if inputs.rope_table is None:
-        inv_freq, positions = model.rope.inv_freq, inputs.img_position_ids
-        rope = RopeTables(*memoized_over([positions, inv_freq], "rope_cos_sin",
-                                         lambda: rope_cos_sin(inv_freq, positions[0])))
-    else:
-        rope = rope_from_table(inputs.rope_table)
+    rope = _model_rope(model, inputs)
 
     video = gather_rows(inputs.x, inputs.img_pos, check_indices=False)
     audio = gather_rows(inputs.audio_x, inputs.audio_pos, check_indices=False)

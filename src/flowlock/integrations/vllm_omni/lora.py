@@ -202,14 +202,16 @@ def install_lora_layout(model: nn.Module) -> None:
 
 
 def add_lora_to_engine(model: nn.Module, tensors: Mapping[str, torch.Tensor], config: Mapping, *,
-                       adapter_id: int = 1, dtype: torch.dtype = torch.bfloat16):
+                       adapter_id: int = 1, dtype: torch.dtype | None = None):
     """Register and activate mapped LoRA tensors on ``model`` with vLLM-Omni's ``DiffusionLoRAManager``.
 
     ``tensors`` / ``config``: :func:`map_lora_update_to_engine`'s output (names under
     ``transformer.``). The manager wraps the targeted layers of ``model`` in place (the strict path
     reads the wrappers at forward time, so this may follow or precede ``install``), loads the tensors
     from memory through its per-pipeline loader hook and binds every one (it raises if one binds to
-    no layer). ``dtype`` is the manager's LoRA dtype. Returns the manager (``set_active_adapter(None)``
+    no layer). ``dtype`` is the manager's LoRA dtype; by default the dtype of the model's BF16-set layers
+    (``condition_proj``: bf16, or float32 for a model cast to FP32), which the strict path needs the
+    LoRA buffers in (those of the base weights they add to). Returns the manager (``set_active_adapter(None)``
     suspends the adapter; ``remove_adapter(adapter_id)`` drops it).
     """
     from vllm.lora.lora_model import LoRAModel
@@ -232,6 +234,8 @@ def add_lora_to_engine(model: nn.Module, tensors: Mapping[str, torch.Tensor], co
             return lora, helper
 
     device = next(model.parameters()).device
+    if dtype is None:
+        dtype = model.condition_proj.weight.dtype
     # the model's device with an explicit index: vLLM pins host memory for the literal "cpu",
     # which a host without an accelerator cannot do (and a CPU model never copies from)
     staging = f"{device.type}:{device.index or 0}"

@@ -55,9 +55,26 @@ def ensure_model_parallel(device: torch.device) -> None:
         initialize_model_parallel(1)
 
 
+def native_model_dtype(native: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``native`` (a just-built ``MiniMaxH3DiTModel``) in ``dtype``, before its weights are loaded.
+
+    ``torch.bfloat16``: as vLLM-Omni builds it (BF16, H3's FP32 modules FP32), returned unchanged.
+    ``torch.float32``: every parameter and buffer cast to FP32 (vLLM-Omni's constructor fixes BF16
+    for the BF16 set and has no FP32 option; the strict path follows the parameters' dtypes). Any
+    other dtype raises ValueError: casting the FP32 modules down is what vLLM-Omni's own
+    ``post_load_weights`` refuses."""
+    if dtype == torch.bfloat16:
+        return native
+    if dtype == torch.float32:
+        return native.float()
+    raise ValueError(f"vLLM-Omni's H3 runs in bfloat16 (with its FP32 modules) or float32, got {dtype}")
+
+
 def native_from_diffusers(model: nn.Module) -> nn.Module:
     """vLLM-Omni's ``MiniMaxH3DiTModel`` (eval, on ``model``'s device) with the diffusers H3 ``model``'s
-    weights, loaded by the native model's own ``load_weights`` from the diffusers names.
+    weights, loaded by the native model's own ``load_weights`` from the diffusers names, in the
+    diffusers model's dtype (that of its BF16-set ``context_embedder``: bf16 or float32, see
+    :func:`native_model_dtype`).
 
     Raises :class:`NoAttentionBackend` when vLLM-Omni has no attention backend for this platform.
     """
@@ -76,7 +93,7 @@ def native_from_diffusers(model: nn.Module) -> nn.Module:
                                 cache_config={"minimax_h3_adaln_cache": True})
     try:
         with set_current_vllm_config(_vllm_config(device)), torch.device(device):
-            native = MiniMaxH3DiTModel(od_config, None)
+            native = native_model_dtype(MiniMaxH3DiTModel(od_config, None), model.context_embedder.weight.dtype)
     except NotImplementedError as err:
         raise NoAttentionBackend(
             f"vLLM-Omni selects no diffusion attention backend on {device.type} ({err}); run the cross-engine "
