@@ -70,3 +70,16 @@ def test_a_marked_replacement_no_handle_owns_is_refused():
         apply_plan(clone, [PatchEntry("4", "forward", _marker)], PatchHandle("strict"))
     assert clone[4].__dict__["forward"] is replacement
     apply_plan(clone, [PatchEntry("5", "forward", _marker)], PatchHandle("strict")).remove()
+
+
+def test_live_patches_keep_inductor_rounding_like_eager_and_removal_restores_the_flag():
+    from torch._inductor import config
+
+    before = config.emulate_precision_casts
+    first = apply_plan(_model(), [PatchEntry("0", "forward", _marker)], PatchHandle("strict"))
+    second = apply_plan(_model(), [PatchEntry("0", "forward", _marker)], PatchHandle("strict"))
+    assert config.emulate_precision_casts is True
+    first.remove()
+    assert config.emulate_precision_casts is True  # the second patch is still live
+    second.remove()
+    assert config.emulate_precision_casts is before

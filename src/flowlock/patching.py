@@ -32,6 +32,39 @@ REPLACEMENT_MARK = "__flowlock_replacement__"
 # Modules currently patched -> the handle that patched them.
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+
+class _EagerPrecision:
+    """Keeps inductor's ``emulate_precision_casts`` on while any handle is live, then restores it.
+
+    Inductor computes a fused chain of bf16 / fp16 pointwise ops in fp32 and rounds once at the end,
+    where eager rounds after every op. Flowlock's ops are opaque custom ops in a compiled graph, but
+    what lies between them is plain PyTorch: residual adds, casts, and autograd's sums of the
+    gradients of a tensor used more than once (q, k and v read one normalised x: eager rounds
+    ``(dv + dk)`` before adding ``dq``). Seen on the tiny H3 on CPU: 47 of 63 gradients differed from
+    eager without it, none with it. The flag rounds where eager does, so a patched model compiled
+    with inductor keeps eager's bits; it affects only graphs inductor compiles while a patch is live.
+    """
+
+    live = 0
+    previous: bool | None = None
+
+    @classmethod
+    def hold(cls) -> None:
+        from torch._inductor import config
+
+        if cls.live == 0:
+            cls.previous = config.emulate_precision_casts
+            config.emulate_precision_casts = True
+        cls.live += 1
+
+    @classmethod
+    def release(cls) -> None:
+        from torch._inductor import config
+
+        cls.live -= 1
+        if cls.live == 0:
+            config.emulate_precision_casts = cls.previous
+
 # (model class module, class qualified name) -> "package.module:function" building that class's plan.
 _PLANS: dict[tuple[str, str], str] = {}
 
@@ -99,6 +132,7 @@ class PatchHandle:
                 raise RuntimeError(f"{_label(applied.entry)} was not restored")
             _ACTIVE.pop(applied.target, None)
         self._removed = True
+        _EagerPrecision.release()
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -151,6 +185,7 @@ def apply_plan(root: nn.Module, plan: list[PatchEntry], handle: PatchHandle) -> 
         target.__dict__[entry.attribute] = entry.replacement
         handle._applied.append(_Applied(entry, target, previous))
         _ACTIVE[target] = handle
+    _EagerPrecision.hold()
     return handle
 
 

@@ -6,7 +6,9 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
+from flowlock.ops.adaln.opaque import adaln_modulation_reference_op, adaln_table_reference_op
 from flowlock.ops.adaln.reference import adaln_modulation_reference, adaln_table_reference
 from flowlock.ops.adaln.triton import AdalnModulationFunction, AdalnTableFunction, modulation_forward, projection
 
@@ -61,7 +63,7 @@ def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     """
     t, _, _ = check_projection(temb, weight, bias, 18)
     if backend_for("adaln_table", temb) == "reference":
-        return adaln_table_reference(temb, weight, bias)
+        return (adaln_table_reference_op if traced() else adaln_table_reference)(temb, weight, bias)
     if needs_graph(temb, weight, bias):
         return AdalnTableFunction.apply(temb, weight, bias).view(3 * t, -1)
     # No gradient can flow: the node's own forward launches, without recording it.
@@ -100,7 +102,8 @@ def adaln_modulation(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _check_contiguous("token_tags", token_tags)
     # The checks above put every tensor on temb's device: the backend follows from temb alone.
     if backend_for("adaln_modulation", temb) == "reference":
-        return adaln_modulation_reference(temb, weight, bias, timestep_indices, token_tags)
+        spec = adaln_modulation_reference_op if traced() else adaln_modulation_reference
+        return spec(temb, weight, bias, timestep_indices, token_tags)
     if needs_graph(temb, weight, bias):
         return AdalnModulationFunction.apply(temb, weight, bias, timestep_indices, token_tags)
     # No gradient can flow: the node's own forward launches, without recording it.

@@ -11,6 +11,7 @@ from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_tensor
+from flowlock.ops.attention.opaque import attention_reference_op
 from flowlock.ops.attention.reference import attention_reference, default_scale
 from flowlock.ops.attention.triton import AttentionFunction, attention_fwd, attention_fwd_op
 
@@ -77,7 +78,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     scale = _check_scale(scale, dim)
     # k and v are on q's device (checked above), so q alone decides the backend
     if backend_for("attention", q) == "reference":
-        return attention_reference(q, k, v, scale)
+        return (attention_reference_op if traced() else attention_reference)(q, k, v, scale)
     if dim not in TRITON_HEAD_DIMS:
         raise ValueError(f"q head dim must be a multiple of 8 in [16, 256] on the triton backend (the reference "
                          f"backend takes any), got {dim}")

@@ -8,7 +8,9 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_tensor, memoized_over
+from flowlock.ops.euler.opaque import euler_step_reference_op
 from flowlock.ops.euler.reference import euler_step_reference
 from flowlock.ops.euler.triton import EulerStepFunction, euler_step_forward
 
@@ -89,5 +91,5 @@ def euler_step(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Ten
         if needs_graph(sample, velocity):
             return EulerStepFunction.apply(sample, velocity, timestep, sigma, sigma_next)
         return euler_step_forward(sample, velocity, timestep, sigma, sigma_next)
-    return euler_step_reference(sample, velocity, timestep.expand(batch), sigma.expand(batch),
-                                sigma_next.expand(batch))
+    spec = euler_step_reference_op if traced() else euler_step_reference
+    return spec(sample, velocity, timestep.expand(batch), sigma.expand(batch), sigma_next.expand(batch))

@@ -6,8 +6,10 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.adaln.api import check_projection
+from flowlock.ops.final_adaln.opaque import final_adaln_out_reference_op
 from flowlock.ops.final_adaln.reference import final_adaln_out_reference
 from flowlock.ops.final_adaln.triton import FinalAdalnOutFunction, final_forward
 from flowlock.ops.rms_norm._tables import check_eps
@@ -61,7 +63,8 @@ def final_adaln_out(x: torch.Tensor, temb: torch.Tensor, norm_weight: torch.Tens
     eps = check_eps(eps)
     # The checks above put every tensor on x's device: the backend follows from x alone.
     if backend_for("final_adaln_out", x) == "reference":
-        return final_adaln_out_reference(x, temb, norm_weight, weight, bias, timestep_indices, eps)
+        spec = final_adaln_out_reference_op if traced() else final_adaln_out_reference
+        return spec(x, temb, norm_weight, weight, bias, timestep_indices, eps)
     if needs_graph(x, temb, norm_weight, weight, bias):
         return FinalAdalnOutFunction.apply(x, temb, norm_weight, weight, bias, timestep_indices, eps)
     # No gradient can flow: the node's own forward launches, without recording it.

@@ -6,7 +6,9 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
+from flowlock.ops.gate_residual.opaque import gate_residual_reference_op
 from flowlock.ops.gate_residual.reference import gate_residual_reference
 from flowlock.ops.gate_residual.triton import GateResidualFunction, gate_residual_forward
 from flowlock.ops.rms_norm._tables import check_contiguous, check_table
@@ -42,7 +44,7 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, i
     check_index("index", index, length=shape[-2], upper=gate.shape[0], device=device, check_range=check_indices)
     # The checks above put every tensor on residual's device: the backend follows from it alone.
     if backend_for("gate_residual", residual) == "reference":
-        return gate_residual_reference(residual, gate, y, index)
+        return (gate_residual_reference_op if traced() else gate_residual_reference)(residual, gate, y, index)
     if needs_graph(residual, gate, y):
         return GateResidualFunction.apply(residual, gate, y, index)
     return gate_residual_forward(residual, gate, y, index)

@@ -6,7 +6,9 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import check_tensor
+from flowlock.ops.linear.opaque import linear_reference_op
 from flowlock.ops.linear.reference import linear_reference
 from flowlock.ops.linear.triton import LinearFunction, linear_forward, lookup, tma_alignment_error
 
@@ -68,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES[x.dtype]} for {x.dtype} inputs, got {out_dtype}")
 
     if backend_for("linear", x, weight, bias) == "reference":
-        return linear_reference(x, weight, bias, out_dtype)
+        return (linear_reference_op if traced() else linear_reference)(x, weight, bias, out_dtype)
     cfg = lookup("linear_fwd", weight, x, weight)
     if cfg["TMA"]:
         reason = tma_alignment_error(weight, (x.dtype, out_dtype))

@@ -8,7 +8,9 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_tensor
+from flowlock.ops.qk_norm_rope.opaque import qk_norm_rope_reference_op
 from flowlock.ops.qk_norm_rope.reference import qk_norm_rope_reference
 from flowlock.ops.qk_norm_rope.triton import QkNormRopeFunction, qk_norm_rope_forward
 
@@ -49,7 +51,7 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: 
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     if backend_for("qk_norm_rope", x, weight, cos, sin) == "reference":
-        return qk_norm_rope_reference(x, weight, cos, sin, float(eps))
+        return (qk_norm_rope_reference_op if traced() else qk_norm_rope_reference)(x, weight, cos, sin, float(eps))
     if needs_graph(x, weight):
         return QkNormRopeFunction.apply(x, weight, cos, sin, float(eps))
     return qk_norm_rope_forward(x, weight, cos, sin, float(eps))

@@ -6,8 +6,10 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.rms_norm._tables import check_contiguous, check_eps, check_table
+from flowlock.ops.rms_norm.opaque import rms_norm_modulate_reference_op, rms_norm_reference_op
 from flowlock.ops.rms_norm.reference import rms_norm_modulate_reference, rms_norm_reference
 from flowlock.ops.rms_norm.triton import (
     RMSNormFunction,
@@ -49,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     eps = check_eps(eps)
     # weight was checked to be on x's device: the backend follows from x alone.
     if backend_for("rms_norm", x) == "reference":
-        return rms_norm_reference(x, weight, eps)
+        return (rms_norm_reference_op if traced() else rms_norm_reference)(x, weight, eps)
     if needs_graph(x, weight):
         return RMSNormFunction.apply(x, weight, eps)
     return rms_norm_forward(x, weight, eps)[0]
@@ -86,7 +88,8 @@ def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor
     eps = check_eps(eps)
     # The checks above put every tensor on x's device: the backend follows from x alone.
     if backend_for("rms_norm_modulate", x) == "reference":
-        return rms_norm_modulate_reference(x, weight, shift, scale, index, eps)
+        spec = rms_norm_modulate_reference_op if traced() else rms_norm_modulate_reference
+        return spec(x, weight, shift, scale, index, eps)
     if needs_graph(x, weight, shift, scale):
         return RMSNormModulateFunction.apply(x, weight, shift, scale, index, eps)
     return rms_norm_modulate_forward(x, weight, shift, scale, index, eps)[0]

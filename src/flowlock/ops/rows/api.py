@@ -16,6 +16,7 @@ from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
+from flowlock.ops.rows.opaque import gather_rows_reference_op, scatter_rows_reference_op
 from flowlock.ops.rows.reference import gather_rows_reference, scatter_rows_reference
 from flowlock.ops.rows.triton import (
     GatherRowsFunction,
@@ -58,7 +59,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, *, check_indices: bool = T
     if check_indices:
         _check_unique("index", index)
     if backend_for("gather_rows", x, index) == "reference":
-        return gather_rows_reference(x, index)
+        return (gather_rows_reference_op if traced() else gather_rows_reference)(x, index)
     if needs_graph(x):
         return GatherRowsFunction.apply(x, index)
     return (_gather_rows_op if traced() else gather_rows_fwd)(x, index)
@@ -101,7 +102,7 @@ def scatter_rows(parts: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
     if check_indices:
         _check_unique("indices (all parts together)", torch.cat([i.long() for i in indices]))
     if backend_for("scatter_rows", *parts, *indices) == "reference":
-        return scatter_rows_reference(list(parts), list(indices), seq_len)
+        return (scatter_rows_reference_op if traced() else scatter_rows_reference)(list(parts), list(indices), seq_len)
     if needs_graph(*parts):
         return ScatterRowsFunction.apply(seq_len, len(parts), *parts, *indices)
     # The same launcher (or, while tracing, the same custom op) ScatterRowsFunction.forward calls.

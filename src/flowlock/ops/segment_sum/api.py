@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from flowlock.dispatch import backend_for
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
+from flowlock.ops.segment_sum.opaque import segment_sum_reference_op
 from flowlock.ops.segment_sum.reference import segment_sum_reference
 from flowlock.ops.segment_sum.triton import segment_sum_fwd
 
@@ -40,7 +42,7 @@ def segment_sum(values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
                 check_range=check_indices)
     backend = backend_for("segment_sum", values, index)
     if backend == "reference":
-        return segment_sum_reference(values, index, num_segments)
+        return (segment_sum_reference_op if traced() else segment_sum_reference)(values, index, num_segments)
     if values.requires_grad and torch.is_grad_enabled():
         raise ValueError("values requires grad, but segment_sum's Triton path has no backward")
     return segment_sum_fwd(values, index, num_segments)

@@ -6,7 +6,9 @@ import torch
 
 from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
+from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_tensor
+from flowlock.ops.swiglu.opaque import swiglu_reference_op
 from flowlock.ops.swiglu.reference import swiglu_reference
 from flowlock.ops.swiglu.triton import SwigluFunction, swiglu_forward
 
@@ -29,7 +31,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     if not h.is_contiguous():
         raise ValueError("h must be contiguous")
     if backend_for("swiglu", h) == "reference":
-        return swiglu_reference(h)
+        return (swiglu_reference_op if traced() else swiglu_reference)(h)
     if needs_graph(h):
         return SwigluFunction.apply(h)
     return swiglu_forward(h)

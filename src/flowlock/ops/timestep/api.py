@@ -8,6 +8,7 @@ from flowlock.dispatch import backend_for
 from flowlock.ops._graph import needs_graph
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import check_finite_range, check_tensor
+from flowlock.ops.timestep.opaque import timestep_mlp_reference_op, timestep_sinusoid_reference_op
 from flowlock.ops.timestep.reference import timestep_mlp_reference, timestep_sinusoid_reference
 from flowlock.ops.timestep.triton import (
     TimestepMlpFunction,
@@ -45,7 +46,7 @@ def timestep_sinusoid(t: torch.Tensor, *, check_range: bool = True) -> torch.Ten
     if backend_for("timestep_sinusoid", t) == "triton":
         # Without a graph to record, the launcher Function.forward calls, minus the apply overhead.
         return TimestepSinusoidFunction.apply(t) if needs_graph(t) else timestep_sinusoid_forward(t)
-    return timestep_sinusoid_reference(t)
+    return (timestep_sinusoid_reference_op if traced() else timestep_sinusoid_reference)(t)
 
 
 def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
@@ -69,7 +70,7 @@ def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
         if traced():
             return TimestepMlpFunction.apply(x, w1, b1, w2, b2)
         return TimestepMlpNode.apply(x, w1, b1, w2, b2, timestep_mlp_fwd(x, w1, b1, w2, b2))
-    return timestep_mlp_reference(x, w1, b1, w2, b2)
+    return (timestep_mlp_reference_op if traced() else timestep_mlp_reference)(x, w1, b1, w2, b2)
 
 
 def _mlp_args_valid(x, w1, b1, w2, b2) -> bool:

@@ -1,0 +1,61 @@
+"""torch.compile with inductor on the patched tiny H3 on CPU (reference backend): every reference op
+is an opaque custom op there, so inductor cannot fuse or reorder its arithmetic, and the compiled
+forward and backward (every parameter gradient and the input gradient) are eager's bits, with one
+graph per repeated block class (regional) or one graph (whole model) and no graph break.
+
+Two blocks of each repeated class are enough to see a per-instance recompile (it would count four
+regional graphs, not two) and keep inductor's C++ compiles on a 2-core machine short.
+"""
+
+import pytest
+import torch
+from h3_helpers import forward_backward
+from torch._inductor.compile_fx import compile_fx
+
+import flowlock
+from flowlock.models.minimax_h3 import tiny_inputs
+from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, make_h3
+from flowlock.testing import bitwise_equal, mismatch_count
+
+_CONFIG = dict(TINY_H3_CONFIG, num_layers=2, num_refiner_layers=2)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(monkeypatch):
+    # Inductor's compile-time allocations include leaves that require grad, which the session's
+    # in-place poisoning of torch.empty* cannot fill; the eager ops still write every element they
+    # return (the reference tests check that with the poison on).
+    for name in ("empty", "empty_like", "empty_strided"):
+        monkeypatch.setattr(torch, name, getattr(torch._C._VariableFunctions, name))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how, graphs", [("regional", 2), ("whole", 1)])
+def test_inductor_compiled_strict_is_bitwise_eager_on_the_reference_backend(how, graphs):
+    model, inputs = make_h3(_CONFIG), tiny_inputs(2)
+    seen = []
+
+    def inductor(gm, example_inputs):
+        seen.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    with flowlock.patch(model):
+        with flowlock.mode("strict") as frame:
+            eager = forward_backward(model, inputs, input_grad=True)
+        assert {backend for _, backend in frame.ran} == {"reference"}
+        if how == "regional":
+            model.compile_repeated_blocks(fullgraph=True, backend=inductor)
+            compiled = model
+        else:
+            compiled = torch.compile(model, fullgraph=True, backend=inductor)
+        out, grads = forward_backward(compiled, inputs, input_grad=True)
+    assert len(seen) == graphs
+    grads = {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}
+    assert grads.keys() == eager[1].keys()
+    differ = [f"output {i}: {mismatch_count(a, b)} of {a.numel()}" for i, (a, b) in enumerate(zip(out, eager[0]))
+              if not bitwise_equal(a, b)]
+    differ += [f"{k}: {mismatch_count(grads[k], g)} of {g.numel()}" for k, g in eager[1].items()
+               if not bitwise_equal(grads[k], g)]
+    assert differ == [], f"{how} inductor differs from eager in {len(differ)} of {2 + len(eager[1])} tensors"
