@@ -37,13 +37,21 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def _fresh_f32(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous fp32 copy of ``t``. CPU BLAS sums a product in an order that can depend on
+    where its operands start in memory (MKL's AVX-512 sgemm does: a document's rows viewed inside a
+    packed or batched tensor gave other bits than the same rows alone), so the GEMM operands are
+    always freshly allocated: same shape, same strides, same allocator alignment, same bits."""
+    return torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
+
+
 def _rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_scale: torch.Tensor) -> torch.Tensor:
     """One (sample, head) chunk: ``q`` (R, D), ``k``/``v`` (S, D) in the input dtype -> (R, D) fp32."""
-    scores = (q.float() @ k.float().T) * qk_scale
+    scores = (_fresh_f32(q) @ _fresh_f32(k).T) * qk_scale
     row_max = scores.amax(dim=-1, keepdim=True)
     p = torch.exp2(scores - row_max)
     row_sum = p.sum(dim=-1, keepdim=True)
-    return (p.to(v.dtype).float() @ v.float()) / row_sum
+    return (_fresh_f32(p.to(v.dtype)) @ _fresh_f32(v)) / row_sum
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
