@@ -37,3 +37,16 @@ def test_narrow_timestep_embedding_batch_invariant():
     inputs = tiny_inputs(3, seed=1, config=NARROW)
     with flowlock.patch(model, mode="strict"):
         assert_batch_invariant(batch_fn(model, inputs), tuple(inputs[k] for k in LATENTS), sizes=(2, 3))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float64))
+@pytest.mark.parametrize("mode", ("strict", "audit"))
+def test_non_fp32_timestep_is_refused_naming_timestep(dtype, mode):
+    # diffusers' LoRA layerwise-casting test casts every float input, the timestep included, to the
+    # compute dtype; diffusers upcasts it again, flowlock refuses it (timestep_sinusoid's contract).
+    # The refusal used to surface from inside the op as "t must have dtype in (float32)".
+    model = tiny_h3()
+    inputs = tiny_inputs(1)
+    inputs["timestep"] = inputs["timestep"].to(dtype)
+    with flowlock.patch(model, mode=mode), pytest.raises(TypeError, match=r"^timestep must be float32, got"):
+        model(**inputs)
