@@ -1,9 +1,10 @@
 """PyTorch specs and FP64 goldens of H3's timestep path: the sinusoid (256 channels in H3) and the FP32 MLP.
 
 The sinusoid reproduces diffusers ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``
-op for op, for any even ``C`` (H3: ``freq_dim`` = 256; diffusers' own test model uses 8). The MLP (diffusers ``TimestepEmbedding``: linear_1, SiLU, linear_2, all FP32) is specified
-with float64 accumulation, rounded to float32 at each value the model stores (linear_1 output, SiLU
-output, linear_2 output).
+op for op, for any even ``C`` (H3: ``freq_dim`` = 256; diffusers' own test model uses 8). The MLP
+(diffusers ``TimestepEmbedding``: linear_1, SiLU, linear_2, all FP32) is specified with float64
+accumulation, rounded to float32 at each value the model stores (linear_1 output, SiLU output,
+linear_2 output).
 """
 
 from __future__ import annotations
