@@ -105,6 +105,54 @@ def test_sinusoid_batch_invariant_and_repeatable():
     assert_repeatable(lambda: fwd_bwd(pool[:5]), runs=5)
 
 
+# Widths besides H3's 256: diffusers' own H3 test model uses freq_dim 8; 6 and 12 leave the kernel's
+# power-of-two block partly masked (3 and 6 frequencies in a block of 4 and 8).
+WIDTHS = (2, 6, 8, 12, 256)
+
+
+@pytest.mark.parametrize("channels", WIDTHS)
+def test_sinusoid_any_even_width_bitwise_diffusers(channels):
+    t = torch.cat([torch.tensor([0.0, 1.0, 2.0**-130]), torch.rand(6, generator=torch.Generator().manual_seed(4))])
+    expected = Timesteps(channels, flip_sin_to_cos=True, downscale_freq_shift=0)(t)
+    assert_bitwise_equal(timestep_sinusoid(t, channels=channels), expected)
+    # Interpreted: numpy's sin/cos of exactly diffusers' float32 argument (see the hypothesis test).
+    arg = (t[:, None] * sinusoid_freqs(t.device, channels // 2)[None, :]).numpy()
+    interpreted = torch.from_numpy(np.concatenate([np.cos(arg), np.sin(arg)], axis=-1))
+    assert_bitwise_equal(_triton(lambda x: timestep_sinusoid(x, channels=channels), t), interpreted)
+
+
+@pytest.mark.parametrize("channels", (6, 8))
+def test_sinusoid_narrow_grad_within_fp64_budget_and_pure(channels):
+    t = torch.tensor([0.0, 0.013, 0.25, 0.5, 0.77, 0.999, 1.0])
+    g = torch.randn(7, channels, generator=torch.Generator().manual_seed(1))
+
+    def run(fn, tt):
+        tt = tt.clone().requires_grad_()
+        out = fn(tt)
+        out.backward(g[: tt.shape[0]].to(out.dtype))
+        return out.detach(), tt.grad
+
+    out, dt = run(lambda x: _triton(lambda y: timestep_sinusoid(y, channels=channels), x), t)
+    base_out, base_dt = run(Timesteps(channels, flip_sin_to_cos=True, downscale_freq_shift=0), t)
+    gold_out, gold_dt = run(lambda x: timestep_sinusoid_golden(x, channels), t.double())
+    assert_within_budget(out, gold_out, baseline=base_out, what=f"sinusoid C={channels}")
+    assert_within_budget(dt, gold_dt, baseline=base_dt, what=f"d t C={channels}")
+
+    def fwd_bwd(x):
+        x = x.clone().requires_grad_()
+        y = _triton(lambda z: timestep_sinusoid(z, channels=channels), x)
+        y.backward(torch.ones_like(y))
+        return y.detach(), x.grad
+
+    assert_batch_invariant(fwd_bwd, torch.rand(16, generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("channels", (0, 7, -2, 8.0, True, "8"))
+def test_sinusoid_bad_channels(channels):
+    with pytest.raises(ValueError, match="channels must be an even int"):
+        timestep_sinusoid(torch.tensor([0.5]), channels=channels)
+
+
 def _mlp_params(seed=0, hidden=HIDDEN, embed=EMBED):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(hidden, K, generator=g) / 16, torch.randn(hidden, generator=g),

@@ -395,18 +395,22 @@ def _call_block(owner: nn.Module, run: Run, block: nn.Module, *args):
 
 
 def _time_embedding(run: Run, model: nn.Module, timestep: torch.Tensor) -> torch.Tensor:
-    if model.time_proj.num_channels != 256 or not model.time_proj.flip_sin_to_cos \
-            or model.time_proj.downscale_freq_shift != 0 or model.time_proj.scale != 1:
-        fallback_or_raise("minimax_h3 time_proj", "timestep_sinusoid serves Timesteps(256, True, 0) only")
-        sinusoid = model.time_proj(timestep)
+    proj = model.time_proj
+    if proj.num_channels < 2 or proj.num_channels % 2 or not proj.flip_sin_to_cos \
+            or proj.downscale_freq_shift != 0 or proj.scale != 1:
+        fallback_or_raise("minimax_h3 time_proj", "timestep_sinusoid serves Timesteps(C, flip_sin_to_cos=True, "
+                          f"downscale_freq_shift=0, scale=1) with an even C only, got C={proj.num_channels}, "
+                          f"flip_sin_to_cos={proj.flip_sin_to_cos}, downscale_freq_shift={proj.downscale_freq_shift}, "
+                          f"scale={proj.scale}")
+        sinusoid = proj(timestep)
     else:
         # validate_structure checked the range already (in the graph, when compiling).
-        sinusoid = timestep_sinusoid(timestep, check_range=False)
+        sinusoid = timestep_sinusoid(timestep, channels=proj.num_channels, check_range=False)
     return call_with_run(run, model.time_embedder, sinusoid)
 
 
 def time_embedder_forward(run: Run, embedder: nn.Module, sample: torch.Tensor) -> torch.Tensor:
-    """``TimestepEmbedding.forward`` on ``timestep_mlp``: (T, 256) fp32 -> (T, E) fp32."""
+    """``TimestepEmbedding.forward`` on ``timestep_mlp``: (T, freq_dim) fp32 -> (T, E) fp32."""
     l1, l2 = embedder.linear_1, embedder.linear_2
     return timestep_mlp(sample, *(compute_param(m, n) for m in (l1, l2) for n in ("weight", "bias")))
 

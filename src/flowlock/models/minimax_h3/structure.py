@@ -29,7 +29,8 @@ def validate_structure(*, hidden_states: torch.Tensor, audio_hidden_states: torc
     """Check one packed layout and its inputs; return the sequence length S.
 
     Raises ValueError / TypeError naming the argument for: a ``position_ids`` that is not (S, 3);
-    per-row tensors not of length S; a timestep outside [0, 1] or not finite; ``timestep_indices``
+    per-row tensors not of length S; a timestep that is not float32 (TypeError: diffusers would upcast
+    it, flowlock refuses, see ``timestep_sinusoid``), outside [0, 1] or not finite; ``timestep_indices``
     outside [0, T); tags outside {0, 1, 2}; row indices out of [0, S), repeated or shared between
     modalities; latents whose batch sizes differ or whose row counts do not match their indices.
     Under ``torch.compile`` the value checks raise ``RuntimeError`` with the same messages instead.
@@ -40,7 +41,13 @@ def validate_structure(*, hidden_states: torch.Tensor, audio_hidden_states: torc
         raise ValueError(f"position_ids must have shape (S, 3), got {tuple(position_ids.shape)}")
     seq_len = position_ids.shape[0]
     device = position_ids.device
-    check_tensor("timestep", timestep, dtypes=FLOAT_DTYPES, ndim=1, device=device)
+    if isinstance(timestep, torch.Tensor) and timestep.is_floating_point() and timestep.dtype != torch.float32:
+        # diffusers upcasts with .float(); flowlock refuses instead (timestep_sinusoid's contract): a bf16
+        # timestep near t = 1 has already lost ~40% of the relative precision of sigma = 1 - t.
+        raise TypeError(f"timestep must be float32, got {timestep.dtype}: flowlock does not cast the "
+                        "timestep as diffusers does (a bf16 / fp16 timestep near t = 1 has already lost much of "
+                        "the precision of sigma = 1 - t); keep timesteps float32 when casting the other inputs")
+    check_tensor("timestep", timestep, dtypes=(torch.float32,), ndim=1, device=device)
     if timestep.shape[0] < 1:
         raise ValueError("timestep must hold at least one value")
     if eager:

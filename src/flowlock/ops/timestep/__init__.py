@@ -1,4 +1,4 @@
-"""H3's timestep path: the 256-channel sinusoid (bitwise diffusers) and the FP32 timestep MLP."""
+"""H3's timestep path: the sinusoid (256 channels in H3; bitwise diffusers) and the FP32 timestep MLP."""
 
 from flowlock.ops.timestep.api import timestep_mlp, timestep_sinusoid
 

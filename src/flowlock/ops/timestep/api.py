@@ -25,12 +25,14 @@ def _contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
-def timestep_sinusoid(t: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
-    """H3's timestep embedding: ``(T,)`` float32 in ``[0, 1]`` -> ``(T, 256)`` float32, cos first.
+def timestep_sinusoid(t: torch.Tensor, *, channels: int = 256, check_range: bool = True) -> torch.Tensor:
+    """H3's timestep embedding: ``(T,)`` float32 in ``[0, 1]`` -> ``(T, channels)`` float32, cos first.
 
-    Bitwise equal to diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`` on the
-    same device: ``[cos(t·f_k), sin(t·f_k)]`` with diffusers' own float32 frequency table and one
-    float32 product. Only float32 ``t`` is accepted (``TypeError`` otherwise): diffusers upcasts with
+    Bitwise equal to diffusers ``Timesteps(channels, flip_sin_to_cos=True, downscale_freq_shift=0)`` on
+    the same device: ``[cos(t·f_k), sin(t·f_k)]`` with diffusers' own float32 frequency table and one
+    float32 product. ``channels`` is the model's ``freq_dim`` (256 in H3), any even width >= 2
+    (``ValueError`` otherwise; diffusers zero-pads an odd width, which H3 never builds).
+    Only float32 ``t`` is accepted (``TypeError`` otherwise): diffusers upcasts with
     ``.float()``, and a bf16 timestep near 1 has already lost ~40% of the relative precision of
     ``sigma = 1 - t`` before that upcast, so a narrower ``t`` is a caller bug, not something to absorb.
     H3 consumes timesteps unscaled: values outside ``[0, 1]`` (e.g. ``t·1000``) or NaN raise
@@ -39,14 +41,16 @@ def timestep_sinusoid(t: torch.Tensor, *, check_range: bool = True) -> torch.Ten
     and device are still checked). Rows are pure; differentiable to ``t`` (float64 channel terms
     summed by a fixed pairwise tree, rounded once).
     """
+    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 2 or channels % 2:
+        raise ValueError(f"channels must be an even int >= 2, got {channels!r}")
     check_tensor("t", t, dtypes=(torch.float32,), ndim=1)
     _contiguous("t", t)
     if check_range:
         check_finite_range("t", t, 0.0, 1.0)
     if backend_for("timestep_sinusoid", t) == "triton":
         # Without a graph to record, the launcher Function.forward calls, minus the apply overhead.
-        return TimestepSinusoidFunction.apply(t) if needs_graph(t) else timestep_sinusoid_forward(t)
-    return (timestep_sinusoid_reference_op if traced() else timestep_sinusoid_reference)(t)
+        return TimestepSinusoidFunction.apply(t, channels) if needs_graph(t) else timestep_sinusoid_forward(t, channels)
+    return (timestep_sinusoid_reference_op if traced() else timestep_sinusoid_reference)(t, channels)
 
 
 def timestep_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,

@@ -7,8 +7,8 @@ from flowlock.ops._opaque import opaque_reference
 from flowlock.ops.timestep.reference import CHANNELS, timestep_mlp_reference, timestep_sinusoid_reference
 
 timestep_sinusoid_reference_op = opaque_reference(
-    "timestep_sinusoid_reference", timestep_sinusoid_reference, "(Tensor t)", "Tensor",
-    lambda t: t.new_empty((t.shape[0], CHANNELS)))
+    "timestep_sinusoid_reference", timestep_sinusoid_reference, f"(Tensor t, SymInt channels={CHANNELS})", "Tensor",
+    lambda t, channels=CHANNELS: t.new_empty((t.shape[0], channels)))
 
 timestep_mlp_reference_op = opaque_reference(
     "timestep_mlp_reference", timestep_mlp_reference, "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2)",

@@ -1,9 +1,10 @@
-"""PyTorch specs and FP64 goldens of H3's timestep path: the 256-channel sinusoid and the FP32 MLP.
+"""PyTorch specs and FP64 goldens of H3's timestep path: the sinusoid (256 channels in H3) and the FP32 MLP.
 
-The sinusoid reproduces diffusers ``Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)``
-op for op. The MLP (diffusers ``TimestepEmbedding``: linear_1, SiLU, linear_2, all FP32) is specified
-with float64 accumulation, rounded to float32 at each value the model stores (linear_1 output, SiLU
-output, linear_2 output).
+The sinusoid reproduces diffusers ``Timesteps(C, flip_sin_to_cos=True, downscale_freq_shift=0)``
+op for op, for any even ``C`` (H3: ``freq_dim`` = 256; diffusers' own test model uses 8). The MLP
+(diffusers ``TimestepEmbedding``: linear_1, SiLU, linear_2, all FP32) is specified with float64
+accumulation, rounded to float32 at each value the model stores (linear_1 output, SiLU output,
+linear_2 output).
 """
 
 from __future__ import annotations
@@ -18,29 +19,32 @@ CHANNELS = 256
 HALF = CHANNELS // 2
 MAX_PERIOD = 10000
 
-_FREQS: dict[torch.device, torch.Tensor] = {}
+_FREQS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def sinusoid_freqs(device: torch.device) -> torch.Tensor:
-    """The ``(128,)`` float32 frequency table, computed on ``device`` with diffusers' own ops (so its
-    bits match diffusers on that device) and cached per device."""
+def sinusoid_freqs(device: torch.device, half: int = HALF) -> torch.Tensor:
+    """The ``(half,)`` float32 frequency table (``half`` = channels / 2, 128 in H3), computed on
+    ``device`` with diffusers' own ops (so its bits match diffusers on that device) and cached per
+    (device, half)."""
     device = torch.device(device)
-    if device not in _FREQS:
-        exponent = -math.log(MAX_PERIOD) * torch.arange(start=0, end=HALF, dtype=torch.float32, device=device)
-        exponent = exponent / HALF
-        _FREQS[device] = torch.exp(exponent)
-    return _FREQS[device]
+    key = (device, half)
+    if key not in _FREQS:
+        exponent = -math.log(MAX_PERIOD) * torch.arange(start=0, end=half, dtype=torch.float32, device=device)
+        exponent = exponent / half
+        _FREQS[key] = torch.exp(exponent)
+    return _FREQS[key]
 
 
-def timestep_sinusoid_reference(t: torch.Tensor) -> torch.Tensor:
-    """``(T,)`` float32 -> ``(T, 256)`` float32, ``[cos(t·f), sin(t·f)]`` with the product in float32."""
-    arg = t[:, None] * sinusoid_freqs(t.device)[None, :]
+def timestep_sinusoid_reference(t: torch.Tensor, channels: int = CHANNELS) -> torch.Tensor:
+    """``(T,)`` float32 -> ``(T, channels)`` float32, ``[cos(t·f), sin(t·f)]`` with the product in float32."""
+    arg = t[:, None] * sinusoid_freqs(t.device, channels // 2)[None, :]
     return torch.cat([torch.cos(arg), torch.sin(arg)], dim=-1)
 
 
-def timestep_sinusoid_golden(t: torch.Tensor) -> torch.Tensor:
+def timestep_sinusoid_golden(t: torch.Tensor, channels: int = CHANNELS) -> torch.Tensor:
     """FP64 sin/cos of the float32-rounded product (the one value diffusers stores before sin/cos)."""
-    arg = st_round(t.double()[:, None] * sinusoid_freqs(t.device).double()[None, :], torch.float32)
+    freqs = sinusoid_freqs(t.device, channels // 2)
+    arg = st_round(t.double()[:, None] * freqs.double()[None, :], torch.float32)
     return torch.cat([torch.cos(arg), torch.sin(arg)], dim=-1)
 
 

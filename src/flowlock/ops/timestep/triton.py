@@ -1,6 +1,7 @@
-"""Triton kernels for the timestep path: the 256-channel sinusoid and the small-M FP32 MLP.
+"""Triton kernels for the timestep path: the sinusoid (256 channels in H3) and the small-M FP32 MLP.
 
-Sinusoid: one program per timestep; the only arithmetic before sin/cos is the float32 product
+Sinusoid: one program per timestep, the ``C / 2`` frequencies in one power-of-two block (masked
+beyond ``C / 2``; H3's 128 fill it exactly); the only arithmetic before sin/cos is the float32 product
 ``t·f`` against diffusers' own frequency table, and sin/cos are CUDA's precise ``sinf``/``cosf``
 (libdevice, the functions torch calls), so the result is bitwise diffusers' on the GPU. The
 interpreter has no libdevice and uses numpy's sin/cos instead.
@@ -29,7 +30,7 @@ from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._launch import PreparedLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import cdiv, traced
-from flowlock.ops.timestep.reference import HALF, sinusoid_freqs
+from flowlock.ops.timestep.reference import CHANNELS, sinusoid_freqs
 
 
 @triton.jit
@@ -50,9 +51,10 @@ def _exp(x, INTERPRET: tl.constexpr):
 
 @fast_launch
 @triton.jit
-def _timestep_sinusoid_fwd_kernel(t_ptr, f_ptr, out_ptr, HALF_C: tl.constexpr, INTERPRET: tl.constexpr):
+def _timestep_sinusoid_fwd_kernel(t_ptr, f_ptr, out_ptr, HALF_C: tl.constexpr, BLOCK: tl.constexpr,
+                                  INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, HALF_C)
+    k = tl.arange(0, BLOCK)
     mask = k < HALF_C
     t = tl.load(t_ptr + row)
     arg = t * tl.load(f_ptr + k, mask=mask, other=0.0)
@@ -64,10 +66,10 @@ def _timestep_sinusoid_fwd_kernel(t_ptr, f_ptr, out_ptr, HALF_C: tl.constexpr, I
 
 @fast_launch
 @triton.jit
-def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.constexpr, LOG2_HALF: tl.constexpr,
-                                  INTERPRET: tl.constexpr):
+def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.constexpr, BLOCK: tl.constexpr,
+                                  LOG2_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, HALF_C)
+    k = tl.arange(0, BLOCK)
     mask = k < HALF_C
     t = tl.load(t_ptr + row)
     f = tl.load(f_ptr + k, mask=mask, other=0.0)
@@ -80,9 +82,9 @@ def _timestep_sinusoid_bwd_kernel(t_ptr, f_ptr, g_ptr, dt_ptr, HALF_C: tl.conste
     f64 = f.to(tl.float64)
     from_sin = f64 * (c.to(tl.float64) * g_sin.to(tl.float64))
     from_cos = f64 * (s.to(tl.float64) * g_cos.to(tl.float64))
-    terms = from_sin - from_cos
+    terms = from_sin - from_cos  # exactly 0 beyond HALF_C (f and g load as 0 there)
     # Pairwise tree over the channels: each level adds neighbours (2i, 2i + 1), whatever the layout.
-    for _ in tl.static_range(LOG2_HALF):
+    for _ in tl.static_range(LOG2_BLOCK):
         left, right = tl.split(tl.reshape(terms, (terms.shape[0] // 2, 2)))
         terms = left + right
     tl.store(dt_ptr + row + tl.arange(0, 1), terms.to(tl.float32))
@@ -237,41 +239,49 @@ def _timestep_mlp_bwd_kernel(g_ptr, w_ptr, pre_ptr, out_ptr, wa_ptr, dw_ptr, db_
         _wgrad_tile(pid, g_ptr, wa_ptr, dw_ptr, db_ptr, M, K, N, WG_BLOCK_N, WG_BLOCK_K)
 
 
-def timestep_sinusoid_fwd(t: torch.Tensor) -> torch.Tensor:
-    """Trusted launcher: ``(T,)`` float32 contiguous -> ``(T, 256)`` float32."""
-    out = torch.empty((t.shape[0], 2 * HALF), dtype=torch.float32, device=t.device)
+def _block(half: int) -> int:
+    return triton.next_power_of_2(half)
+
+
+def timestep_sinusoid_fwd(t: torch.Tensor, channels: int = CHANNELS) -> torch.Tensor:
+    """Trusted launcher: ``(T,)`` float32 contiguous -> ``(T, channels)`` float32 (``channels`` even)."""
+    half = channels // 2
+    out = torch.empty((t.shape[0], channels), dtype=torch.float32, device=t.device)
     if t.shape[0] == 0:
         return out
     cfg = config_for("timestep_sinusoid", t)
     _timestep_sinusoid_fwd_kernel[(t.shape[0],)](
-        t, sinusoid_freqs(t.device), out, HALF_C=HALF, INTERPRET=interpreter_active(),
+        t, sinusoid_freqs(t.device, half), out, HALF_C=half, BLOCK=_block(half), INTERPRET=interpreter_active(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_reflect_ftz=False)
     return out
 
 
 def timestep_sinusoid_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Trusted launcher: ``d t = Σ_k f_k·(cos(t f_k)·g_sin_k − sin(t f_k)·g_cos_k)``, pairwise tree over k."""
+    """Trusted launcher: ``d t = Σ_k f_k·(cos(t f_k)·g_sin_k − sin(t f_k)·g_cos_k)``, pairwise tree over k
+    (over the power-of-two block, zero-padded beyond ``channels / 2``); ``grad`` is ``(T, channels)``."""
     grad = grad.contiguous()
     dt = torch.empty_like(t)
     if t.shape[0] == 0:
         return dt
+    half = grad.shape[1] // 2
+    block = _block(half)
     cfg = config_for("timestep_sinusoid", t)
     _timestep_sinusoid_bwd_kernel[(t.shape[0],)](
-        t, sinusoid_freqs(t.device), grad, dt, HALF_C=HALF, LOG2_HALF=HALF.bit_length() - 1,
+        t, sinusoid_freqs(t.device, half), grad, dt, HALF_C=half, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1,
         INTERPRET=interpreter_active(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         enable_reflect_ftz=False)
     return dt
 
 
 @torch.library.custom_op("flowlock::timestep_sinusoid_fwd", mutates_args=())
-def _timestep_sinusoid_fwd_op(t: torch.Tensor) -> torch.Tensor:
+def _timestep_sinusoid_fwd_op(t: torch.Tensor, channels: int) -> torch.Tensor:
     """The sinusoid as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
-    return timestep_sinusoid_fwd(t)
+    return timestep_sinusoid_fwd(t, channels)
 
 
 @_timestep_sinusoid_fwd_op.register_fake
-def _(t):
-    return t.new_empty((t.shape[0], 2 * HALF))
+def _(t, channels):
+    return t.new_empty((t.shape[0], channels))
 
 
 @torch.library.custom_op("flowlock::timestep_sinusoid_bwd", mutates_args=())
@@ -285,23 +295,23 @@ def _(t, grad):
     return t.new_empty(t.shape)
 
 
-def timestep_sinusoid_forward(t: torch.Tensor) -> torch.Tensor:
+def timestep_sinusoid_forward(t: torch.Tensor, channels: int = CHANNELS) -> torch.Tensor:
     """The forward as every path runs it: the registered custom op while tracing, else the launcher."""
-    return (_timestep_sinusoid_fwd_op if traced() else timestep_sinusoid_fwd)(t)
+    return (_timestep_sinusoid_fwd_op if traced() else timestep_sinusoid_fwd)(t, channels)
 
 
 class TimestepSinusoidFunction(torch.autograd.Function):
     """Autograd boundary of ``timestep_sinusoid`` (gradient to ``t``)."""
 
     @staticmethod
-    def forward(ctx, t):
+    def forward(ctx, t, channels=CHANNELS):
         ctx.save_for_backward(t)
-        return timestep_sinusoid_forward(t)
+        return timestep_sinusoid_forward(t, channels)
 
     @staticmethod
     def backward(ctx, grad):
         (t,) = ctx.saved_tensors
-        return (_timestep_sinusoid_bwd_op if traced() else timestep_sinusoid_bwd)(t, grad)
+        return (_timestep_sinusoid_bwd_op if traced() else timestep_sinusoid_bwd)(t, grad), None
 
 
 # (device index, H, K, E) -> (linear_1 launch, its column blocks, linear_2 launch, its column blocks)
