@@ -11,8 +11,9 @@ fixed random cotangent into the outputs; text 256 rows, audio S // 16, the rest 
   ``flowlock.patch``, and ``reduce_gradients`` after backward. diffusers 0.42 refuses degree 1
   ("Either ring_degree or ulysses_degree must be greater than 1"): the refusal is recorded and the
   flowlock context-parallel path is engaged directly, as ``enable_parallelism`` would leave it: the
-  model's parallel config holds a Ulysses mesh of one rank, so the strict forward shards, runs every
-  block's attention through the all-to-all and gathers, on a group of 1;
+  model's parallel config holds a Ulysses mesh of one rank. Since 80d1c8d's measurement (1.62x plain
+  when the forward sharded, ran every all-to-all and gathered on a group of 1) flowlock takes the
+  plain forward on a one-rank group, so this variant must issue no collective;
 * ``fsdp1``: FSDP2 ``fully_shard`` on a 1-rank mesh per block, refiner block, ``norm_out`` and FP32
   module, then the root (verl-omni's trainer units), then ``flowlock.patch``;
 * ``fsdp1_ulysses1``: both, as the trainer would run them at dp = 1, sp = 1;

@@ -1,5 +1,6 @@
 """``scripts/h200_degree1.py`` on CPU (gloo, tiny H3): every degree-1 variant gives plain strict's bits,
-the Ulysses-1 variant really runs the context-parallel path (its collectives are counted), the
+the Ulysses-1 variant engages the context-parallel config and, one rank holding every row, runs the
+plain forward (no collective at all, so degree 1 costs nothing by construction), the
 vLLM-Omni TP = 1 rollout equals diffusers strict and issues no collective, and the comparison
 catches a one-bit difference in one parameter gradient."""
 
@@ -37,7 +38,7 @@ def test_tiny_run_every_degree1_path_gives_plain_strict_bits(tmp_path):
     assert variants["plain"]["collectives_in_step"] == {}
     for name in ("ulysses1", "fsdp1_ulysses1"):
         assert "must be greater than 1" in variants[name]["diffusers_refused"]
-        assert variants[name]["collectives_in_step"].get("all_to_all_single", 0) >= 4  # 2 blocks, fwd + bwd
+        assert variants[name]["collectives_in_step"] == {}
     roll = report["rollout"]
     if importlib.util.find_spec("vllm_omni") is not None:
         assert "error" not in roll, roll

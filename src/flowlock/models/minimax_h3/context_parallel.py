@@ -98,7 +98,8 @@ def _layout_fingerprint(structure: list[torch.Tensor]) -> int:
 
 def sequence_plan(model: nn.Module, structure: list[torch.Tensor], batch: int, strict_mark: str
                   ) -> UlyssesSequence | None:
-    """The Ulysses shards of one forward of ``model``, or None without context parallelism.
+    """The Ulysses shards of one forward of ``model``, or None without context parallelism or on a
+    Ulysses group of one rank (the plain forward).
 
     ``structure``: the forward's validated structural tensors (``position_ids`` (S, 3) first, then the
     per-row and row-index tensors). Every rank of the group must call it: it checks across the group
@@ -112,6 +113,10 @@ def sequence_plan(model: nn.Module, structure: list[torch.Tensor], batch: int, s
     _check_patch_order(model, strict_mark)
     group = cp._ulysses_mesh.get_group()
     _check_fsdp_mesh(model, group)
+    if group.size() == 1:
+        # One rank holds every row: the plain strict forward, with no shard copies, no all-to-all and
+        # no cross-rank layout check (each cost time at degree 1 and none can change a bit).
+        return None
     fingerprint = memoized_over(structure, "ulysses_layout_fingerprint", lambda: _layout_fingerprint(structure))
     contract = (batch, model.config.num_attention_heads, model.config.hidden_size, len(model.transformer_blocks),
                 fingerprint)
@@ -129,9 +134,13 @@ def reduce_gradients(model: nn.Module) -> None:
     sum over the Ulysses group, folded in rank order (:func:`flowlock.parallel.fold_sum_`), so every
     rank of the group holds the same, repeatable bits. The other gradients are already whole on every
     rank and are left alone. Under FSDP2 on the data-parallel mesh dimension call it after backward
-    (FSDP2 has reduced over data-parallel ranks); gradients stay sharded. No-op without CP."""
+    (FSDP2 has reduced over data-parallel ranks); gradients stay sharded. No-op without CP and on a
+    group of one rank."""
     cp = context_parallel_config(model)
     if cp is None:
         return
+    group = cp._ulysses_mesh.get_group()
+    if group.size() == 1:
+        return
     grads = [p.grad for _, p in row_sharded_parameters(model) if p.grad is not None]
-    fold_sum_(grads, cp._ulysses_mesh.get_group())
+    fold_sum_(grads, group)
