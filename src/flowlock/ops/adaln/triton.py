@@ -8,8 +8,9 @@ fp32 weights multiply in true fp32 (no TF32), each K tile folded in with a Kahan
 forward streams the weight once for up to 16 T rows; every output element is accumulated in FP32
 over K in the same ascending tile order whatever T is, so a row's bits never depend on the other
 rows. The backward never rounds the FP32 table gradient: ``d_act`` reduces over N through fixed
-``CHUNK_N`` partials (each a Kahan-compensated sum of its BLOCK_N tiles) folded in ascending order, and ``dW``/``db`` sum the T rows in ascending order
-before one rounding to the weight's dtype. The row gather's backward is in :mod:`flowlock.ops.adaln.table_grad`.
+``CHUNK_N`` partials (each a Kahan-compensated sum of its BLOCK_N tiles) folded in ascending order,
+and ``dW``/``db`` sum the T rows in ascending order before one rounding to the weight's dtype. The
+row gather's backward is in :mod:`flowlock.ops.adaln.table_grad`.
 """
 
 from __future__ import annotations
