@@ -29,9 +29,7 @@ shims to check the script end to end.
 
 from __future__ import annotations
 
-import socket
 import sys
-from types import SimpleNamespace
 
 import harness
 import torch
@@ -45,46 +43,11 @@ SMOKE_REQUESTS = ((5, 2, 4, 6, 4),)
 SECOND_REQUEST_SCALE = 2  # the packed partner: latent t halved, text and audio halved
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _test_runtime():
     sys.path.insert(0, str(harness.REPO / "tests"))
     import vllm_omni_env
 
     return vllm_omni_env
-
-
-def build_native(config: dict, state_dict: dict, device: torch.device):
-    """vLLM-Omni's model for the diffusers ``config`` on ``device``, weights through ``load_weights``."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
-    from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMaxH3DiTModel
-
-    vllm_config = VllmConfig(device_config=DeviceConfig(device.type))
-    hidden = config["hidden_size"]
-    od_config = SimpleNamespace(
-        tf_model_config={**config, "adaln_out_features": 18 * hidden, "final_adaln_out_features": 2 * hidden,
-                         "_class_name": "MiniMaxH3Transformer3DModel"},
-        # the AdaLN memo cache off: every timed call repeats one timestep, which a rollout step does not
-        parallel_config=SimpleNamespace(ulysses_degree=1), cache_config={"minimax_h3_adaln_cache": False})
-    with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():  # the test runtime (pure-Python vllm) set one up
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-            initialize_model_parallel(1)
-        with torch.device(device):
-            model = MiniMaxH3DiTModel(od_config)
-    model.load_weights(state_dict.items())
-    model.post_load_weights()
-    return model.eval()
 
 
 def make_request(shape: tuple[int, int, int, int, int], text_dim: int, seed: int, device: torch.device):
@@ -137,6 +100,7 @@ def _extra(parser) -> None:
 
 def main(argv=None) -> int:
     from flowlock.integrations.vllm_omni import install
+    from flowlock.integrations.vllm_omni.runtime import build_native
     from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, full_width_config, make_h3
 
     args = harness.parse_args(__doc__.splitlines()[0], argv, _extra)
@@ -164,7 +128,8 @@ def main(argv=None) -> int:
 
         native = build_cpu(config, diffusers.state_dict(), adaln_cache=False)
     else:
-        native = build_native(config, diffusers.state_dict(), device)
+        # the AdaLN memo cache off: every timed call repeats one timestep, which a rollout step does not
+        native = build_native(config, diffusers.state_dict(), device, adaln_cache=False)
     backends = sorted({f"{m.role}: {m.attn_backend.get_name()}" for m in native.modules()
                        if type(m).__name__ == "Attention" and getattr(m, "attn_backend", None) is not None})
     from flowlock.validate.engines import _stock_packs

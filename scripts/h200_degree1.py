@@ -291,38 +291,16 @@ class _CountCollectives:
 
 
 def build_native(config: dict, state_dict: dict, device: torch.device, tiny: bool):
-    """vLLM-Omni's model at TP = 1 in vLLM's distributed state (reusing this process's world-1 group)."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-        model_parallel_is_initialized,
-    )
-    from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMaxH3DiTModel
+    """vLLM-Omni's model at TP = 1 in vLLM's distributed state (reusing this process's world-1 group),
+    and the ``VllmConfig`` to run it under."""
+    from flowlock.integrations.vllm_omni import runtime
 
     if tiny:
         sys.path.insert(0, str(ROOT / "tests"))
         from vllm_omni_env import _install_shims
 
         _install_shims()  # vLLM-Omni has no CPU attention of its own: the test suite's SDPA shim
-    vllm_config = VllmConfig(device_config=DeviceConfig(device.type))
-    hidden = config["hidden_size"]
-    od_config = SimpleNamespace(
-        tf_model_config={**config, "adaln_out_features": 18 * hidden, "final_adaln_out_features": 2 * hidden,
-                         "_class_name": "MiniMaxH3Transformer3DModel"},
-        parallel_config=SimpleNamespace(ulysses_degree=1), cache_config={"minimax_h3_adaln_cache": False})
-    with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
-            init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                         backend="nccl" if device.type == "cuda" else "gloo")
-            initialize_model_parallel(1)
-        with torch.device(device):
-            model = MiniMaxH3DiTModel(od_config)
-    model.load_weights(state_dict.items())
-    model.post_load_weights()
-    return model.eval(), vllm_config
-
-
+    return runtime.build_native(config, state_dict, device, adaln_cache=False), runtime.vllm_config(device)
 def rollout_variant(args, device, base, config, report: dict) -> None:
     import importlib.util
 

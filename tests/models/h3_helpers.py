@@ -1,7 +1,9 @@
-"""Shared helpers of the H3 model tests: a forward+backward with fixed cotangents."""
+"""Shared helpers of the H3 model tests: a forward+backward with fixed cotangents, and the same under
+inductor against eager."""
 
 import torch
 
+import flowlock
 from flowlock.models.minimax_h3 import tiny_inputs
 
 LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
@@ -42,3 +44,30 @@ def batch_fn(model, layout_inputs: dict):
 def pool(batch: int, seed: int = 0) -> tuple[dict, tuple[torch.Tensor, ...]]:
     inputs = tiny_inputs(batch, seed=seed)
     return inputs, tuple(inputs[k] for k in LATENTS)
+
+
+def inductor_and_eager(model, inputs: dict, how: str, backend: str):
+    """Patched ``model``'s strict eager forward_backward (its ops checked to run on ``backend``), then
+    the same under inductor compiled ``how`` ("regional": ``compile_repeated_blocks(fullgraph=True)``,
+    "whole": ``torch.compile(model, fullgraph=True)``): ``(eager, compiled, graphs)``, each a
+    forward_backward result (compiled gradient names without ``_orig_mod.``), ``graphs`` how many
+    graphs inductor compiled."""
+    from torch._inductor.compile_fx import compile_fx  # heavy: only the compile tests import inductor
+
+    seen = []
+
+    def inductor(gm, example_inputs):
+        seen.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    with flowlock.patch(model):
+        with flowlock.mode("strict") as frame:
+            eager = forward_backward(model, inputs, input_grad=True)
+        assert {ran_on for _, ran_on in frame.ran} == {backend}
+        if how == "regional":
+            model.compile_repeated_blocks(fullgraph=True, backend=inductor)
+            compiled = model
+        else:
+            compiled = torch.compile(model, fullgraph=True, backend=inductor)
+        out, grads = forward_backward(compiled, inputs, input_grad=True)
+    return eager, (out, {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}), len(seen)

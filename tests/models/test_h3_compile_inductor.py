@@ -9,10 +9,8 @@ regional graphs, not two) and keep inductor's C++ compiles on a 2-core machine s
 
 import pytest
 import torch
-from h3_helpers import forward_backward
-from torch._inductor.compile_fx import compile_fx
+from h3_helpers import inductor_and_eager
 
-import flowlock
 from flowlock.models.minimax_h3 import tiny_inputs
 from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, make_h3
 from flowlock.testing import bitwise_equal, mismatch_count
@@ -34,25 +32,8 @@ def fresh_dynamo(monkeypatch):
 
 @pytest.mark.parametrize("how, graphs", [("regional", 2), ("whole", 1)])
 def test_inductor_compiled_strict_is_bitwise_eager_on_the_reference_backend(how, graphs):
-    model, inputs = make_h3(_CONFIG), tiny_inputs(2)
-    seen = []
-
-    def inductor(gm, example_inputs):
-        seen.append(gm)
-        return compile_fx(gm, example_inputs)
-
-    with flowlock.patch(model):
-        with flowlock.mode("strict") as frame:
-            eager = forward_backward(model, inputs, input_grad=True)
-        assert {backend for _, backend in frame.ran} == {"reference"}
-        if how == "regional":
-            model.compile_repeated_blocks(fullgraph=True, backend=inductor)
-            compiled = model
-        else:
-            compiled = torch.compile(model, fullgraph=True, backend=inductor)
-        out, grads = forward_backward(compiled, inputs, input_grad=True)
-    assert len(seen) == graphs
-    grads = {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}
+    eager, (out, grads), compiled_graphs = inductor_and_eager(make_h3(_CONFIG), tiny_inputs(2), how, "reference")
+    assert compiled_graphs == graphs
     assert grads.keys() == eager[1].keys()
     differ = [f"output {i}: {mismatch_count(a, b)} of {a.numel()}" for i, (a, b) in enumerate(zip(out, eager[0]))
               if not bitwise_equal(a, b)]

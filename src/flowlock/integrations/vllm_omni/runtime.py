@@ -31,12 +31,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _vllm_config(device: torch.device):
-    from vllm.config import DeviceConfig, VllmConfig
-
-    return VllmConfig(device_config=DeviceConfig(device.type))
-
-
 def ensure_model_parallel(device: torch.device) -> None:
     """A one-rank model-parallel group (TP = 1) for this process, unless one exists already."""
     from vllm.config import set_current_vllm_config
@@ -48,7 +42,7 @@ def ensure_model_parallel(device: torch.device) -> None:
 
     if model_parallel_is_initialized():
         return
-    with set_current_vllm_config(_vllm_config(device)):
+    with set_current_vllm_config(vllm_config(device)):
         init_distributed_environment(world_size=1, rank=0, local_rank=device.index or 0,
                                      distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
                                      backend="nccl" if device.type == "cuda" else "gloo")
@@ -70,34 +64,48 @@ def native_model_dtype(native: nn.Module, dtype: torch.dtype) -> nn.Module:
     raise ValueError(f"vLLM-Omni's H3 runs in bfloat16 (with its FP32 modules) or float32, got {dtype}")
 
 
-def native_from_diffusers(model: nn.Module) -> nn.Module:
-    """vLLM-Omni's ``MiniMaxH3DiTModel`` (eval, on ``model``'s device) with the diffusers H3 ``model``'s
-    weights, loaded by the native model's own ``load_weights`` from the diffusers names, in the
-    diffusers model's dtype (that of its BF16-set ``context_embedder``: bf16 or float32, see
-    :func:`native_model_dtype`).
+def vllm_config(device: torch.device):
+    """The ``VllmConfig`` a native model is built and run under on ``device`` (vLLM's defaults)."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device.type))
+
+
+def build_native(config: dict, state_dict: dict[str, torch.Tensor], device: torch.device, *,
+                 dtype: torch.dtype = torch.bfloat16, adaln_cache: bool = True) -> nn.Module:
+    """vLLM-Omni's ``MiniMaxH3DiTModel`` (eval, on ``device``, TP = 1) for the diffusers H3 ``config``,
+    its weights loaded by the native model's own ``load_weights`` from the diffusers-named
+    ``state_dict``, in ``dtype`` (see :func:`native_model_dtype`). ``adaln_cache`` is vLLM-Omni's AdaLN
+    memo cache (its default: on; a benchmark repeating one timestep turns it off).
 
     Raises :class:`NoAttentionBackend` when vLLM-Omni has no attention backend for this platform.
     """
     from vllm.config import set_current_vllm_config
     from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMaxH3DiTModel
 
-    device = next(model.parameters()).device
     ensure_model_parallel(device)
-    hidden = model.config["hidden_size"]
+    hidden = config["hidden_size"]
     # the native defaults assume H = 5376 for the two AdaLN widths; the class name makes
     # load_weights take diffusers names
-    config = {**dict(model.config), "adaln_out_features": 18 * hidden, "final_adaln_out_features": 2 * hidden,
-              "_class_name": "MiniMaxH3Transformer3DModel"}
-    # the fields of vLLM-Omni's OmniDiffusionConfig the DiT reads (AdaLN memo cache: vLLM-Omni's default)
-    od_config = SimpleNamespace(tf_model_config=config, parallel_config=SimpleNamespace(ulysses_degree=1),
-                                cache_config={"minimax_h3_adaln_cache": True})
+    native_config = {**dict(config), "adaln_out_features": 18 * hidden, "final_adaln_out_features": 2 * hidden,
+                     "_class_name": "MiniMaxH3Transformer3DModel"}
+    # the fields of vLLM-Omni's OmniDiffusionConfig the DiT reads
+    od_config = SimpleNamespace(tf_model_config=native_config, parallel_config=SimpleNamespace(ulysses_degree=1),
+                                cache_config={"minimax_h3_adaln_cache": adaln_cache})
     try:
-        with set_current_vllm_config(_vllm_config(device)), torch.device(device):
-            native = native_model_dtype(MiniMaxH3DiTModel(od_config, None), model.context_embedder.weight.dtype)
+        with set_current_vllm_config(vllm_config(device)), torch.device(device):
+            native = native_model_dtype(MiniMaxH3DiTModel(od_config, None), dtype)
     except NotImplementedError as err:
         raise NoAttentionBackend(
             f"vLLM-Omni selects no diffusion attention backend on {device.type} ({err}); run the cross-engine "
             "demo on a GPU (CPU tests install an SDPA backend with a CPU forward: tests/vllm_omni_env.py)") from err
-    native.load_weights(model.state_dict().items())
+    native.load_weights(state_dict.items())
     native.post_load_weights()
     return native.eval()
+
+
+def native_from_diffusers(model: nn.Module) -> nn.Module:
+    """:func:`build_native` from the diffusers H3 ``model`` (its config, weights, device, and the dtype of
+    its BF16-set ``context_embedder``: bf16 or float32), vLLM-Omni's AdaLN memo cache on."""
+    return build_native(dict(model.config), model.state_dict(), next(model.parameters()).device,
+                        dtype=model.context_embedder.weight.dtype)
