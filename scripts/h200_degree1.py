@@ -11,7 +11,7 @@ fixed random cotangent into the outputs; text 256 rows, audio S // 16, the rest 
   ``flowlock.patch``, and ``reduce_gradients`` after backward. diffusers 0.42 refuses degree 1
   ("Either ring_degree or ulysses_degree must be greater than 1"): the refusal is recorded and the
   flowlock context-parallel path is engaged directly, as ``enable_parallelism`` would leave it: the
-  model's parallel config holds a Ulysses mesh of one rank. Since 80d1c8d's measurement (1.62x plain
+  model's parallel config holds a Ulysses mesh of one rank. Since the measurement at 0ffc3d5 (1.62x plain
   when the forward sharded, ran every all-to-all and gathered on a group of 1) flowlock takes the
   plain forward on a one-rank group, so this variant must issue no collective;
 * ``fsdp1``: FSDP2 ``fully_shard`` on a 1-rank mesh per block, refiner block, ``norm_out`` and FP32
