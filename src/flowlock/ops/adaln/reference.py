@@ -12,13 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flowlock.ops._position_free import in_float64
 from flowlock.ops._rounding import st_round
 from flowlock.ops.segment_sum.reference import gather_rows_reference
 
 
 def _projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                 compute: torch.dtype, store: torch.dtype) -> torch.Tensor:
-    act = st_round(F.silu(temb.to(compute)), store)
+    # SiLU in float64, rounded to the compute dtype: a CPU fp32 SiLU's bits depend on a row's place
+    # in the (T, E) tensor, i.e. on the other timesteps beside it (flowlock.ops._position_free).
+    act = st_round(in_float64(F.silu, temb.to(compute)), store)
     # Accumulate in float64 whatever the compute dtype: a CPU FP32 GEMM picks its summation order
     # from the row count T (seen at H3 widths: a row's table differed alone vs beside two other
     # timesteps), while float64 sums rounded once do not depend on the other rows.

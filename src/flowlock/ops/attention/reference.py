@@ -2,11 +2,15 @@
 
 Rounding points of the spec (the Triton kernel has the same ones):
 
-* scores ``q @ k^T`` are formed from the bf16 inputs in fp32;
+* scores ``q @ k^T`` are formed from the inputs in fp32 (the spec rounds float64 sums of the exact
+  products once to fp32, so its CPU bits do not depend on the row count);
 * they are multiplied by the fp32 constant ``scale * log2(e)`` and exponentiated with ``exp2``
-  against the row maximum, so softmax runs in fp32 in base 2;
+  against the row maximum, so softmax runs in fp32 in base 2 (the spec evaluates ``exp2`` in fp64
+  and rounds it to fp32: a CPU fp32 ``exp2`` gives other bits in a tensor's tail than in its body,
+  see :mod:`flowlock.ops._position_free`);
 * the unnormalised probabilities are rounded to the input dtype before ``P @ V`` (as flash
-  kernels feed the tensor cores), the ``P @ V`` product accumulates in fp32, and the division by
+  kernels feed the tensor cores), the ``P @ V`` product is held in fp32 (float64 sums rounded
+  once, as the scores), and the division by
   the fp32 row sum of the *unrounded* probabilities happens afterwards;
 * the output is rounded once to the input dtype.
 
@@ -23,6 +27,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from flowlock.ops._position_free import in_float64
 from flowlock.ops._rounding import st_round
 
 LOG2E = 1.4426950408889634
@@ -37,21 +42,21 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _fresh_f32(t: torch.Tensor) -> torch.Tensor:
-    """A new contiguous fp32 copy of ``t``. CPU BLAS sums a product in an order that can depend on
-    where its operands start in memory (MKL's AVX-512 sgemm does: a document's rows viewed inside a
-    packed or batched tensor gave other bits than the same rows alone), so the GEMM operands are
-    always freshly allocated: same shape, same strides, same allocator alignment, same bits."""
-    return torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
+def _product_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` rounded once to fp32 from float64 sums of the exact products. A CPU fp32 GEMM sums in
+    an order that depends on its row count (one query row alone takes another kernel than 37 rows
+    together) and, under MKL's AVX-512 sgemm, on where its operands start in memory; the float64 sum
+    of exact fp32 products differs between those orders far below half a float32 unit."""
+    return (a.double() @ b.double()).float()
 
 
 def _rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_scale: torch.Tensor) -> torch.Tensor:
     """One (sample, head) chunk: ``q`` (R, D), ``k``/``v`` (S, D) in the input dtype -> (R, D) fp32."""
-    scores = (_fresh_f32(q) @ _fresh_f32(k).T) * qk_scale
+    scores = _product_f32(q, k.T) * qk_scale
     row_max = scores.amax(dim=-1, keepdim=True)
-    p = torch.exp2(scores - row_max)
+    p = in_float64(torch.exp2, scores - row_max)
     row_sum = p.sum(dim=-1, keepdim=True)
-    return (_fresh_f32(p.to(v.dtype)) @ _fresh_f32(v)) / row_sum
+    return _product_f32(p.to(v.dtype), v) / row_sum
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
