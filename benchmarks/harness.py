@@ -153,7 +153,8 @@ def _rounds(fns: dict, setups: dict, timer: _Timer, warmup: int, rounds: int,
     len(fns)``; returns per name ``samples_ms`` and ``warmup_ms``, or ``error`` once it raised."""
     names = list(fns)
     out: dict[str, dict] = {name: {"samples_ms": [], "warmup_ms": []} for name in names}
-    for it in range(warmup + rounds):
+    # No function left (every variant failed before timing): nothing to time, not a division by zero.
+    for it in range(warmup + rounds if names else 0):
         k = it % len(names)
         for name in names[k:] + names[:k]:
             if "error" in out[name]:

@@ -17,6 +17,9 @@ fixed random cotangent into the outputs; text 256 rows, audio S // 16, the rest 
 * ``fsdp1``: FSDP2 ``fully_shard`` on a 1-rank mesh per block, refiner block, ``norm_out`` and FP32
   module, then the root (verl-omni's trainer units), then ``flowlock.patch``;
 * ``fsdp1_ulysses1``: both, as the trainer would run them at dp = 1, sp = 1;
+* ``stock`` and ``stock_fsdp1``: unpatched diffusers, alone and under the same FSDP2 units, timed only:
+  ``stock_fsdp1 / stock`` is FSDP2's own degree-1 cost, against which ``fsdp1 / plain`` is read
+  (``attribution`` in the JSON);
 * ``vllm_omni_tp1`` (rollout, forward only; only where vllm and vllm_omni import): vLLM-Omni's
   ``MiniMaxH3DiTModel`` in vLLM's own distributed state at TP = 1 (its groups on the world-1 group),
   the same weights through ``load_weights``, ``flowlock.integrations.vllm_omni.install``: its
@@ -63,7 +66,10 @@ import torch.distributed as dist  # noqa: E402
 import flowlock  # noqa: E402
 
 LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
-TRAIN_VARIANTS = ("plain", "ulysses1", "fsdp1", "fsdp1_ulysses1")
+TRAIN_VARIANTS = ("plain", "ulysses1", "fsdp1", "fsdp1_ulysses1", "stock", "stock_fsdp1")
+# Unpatched diffusers: timed only, to attribute FSDP2's own degree-1 cost (stock arithmetic is not
+# the strict bits, so they are not compared).
+STOCK_VARIANTS = ("stock", "stock_fsdp1")
 FULL_SEQ, TINY_SEQ = 4253, 40
 TEXT_ROWS, TINY_TEXT_ROWS = 256, 4
 
@@ -205,7 +211,8 @@ def train_variants(args, device, base, config, report: dict) -> dict:
                 entry.update(ulysses_degree1(model, device))
             if name.startswith("fsdp1"):
                 fsdp1(model, device)
-            handles.append(flowlock.patch(model))
+            if name not in STOCK_VARIANTS:
+                handles.append(flowlock.patch(model))
             steps[name] = Step(model, inputs, cots, cp="ulysses1" in name)
         except Exception as err:  # recorded; the other variants go on
             entry["error"] = _error(err)
@@ -223,6 +230,9 @@ def train_variants(args, device, base, config, report: dict) -> dict:
             if name == "plain":
                 reference = result
                 entry["bitwise_equal"] = True
+            elif name in STOCK_VARIANTS:
+                entry["bitwise_equal"] = None
+                entry["compared"] = "no: stock arithmetic, timed for attribution only"
             elif reference is None:
                 entry["comparison_error"] = "no plain reference (plain failed)"
             else:
@@ -259,11 +269,23 @@ def train_variants(args, device, base, config, report: dict) -> dict:
     for name, timing in timings.items():
         if plain and "median_ms" in timing:
             variants[name]["step_over_plain"] = timing["median_ms"] / plain
+    report["train"]["attribution"] = attribution(timings)
     for step in steps.values():
         step.setup()
     for h in handles:
         h.remove()
     return steps
+
+
+def attribution(timings: dict) -> dict:
+    """Degree-1 cost of each parallel wrapper over its own unwrapped model, strict and stock side by side:
+    what flowlock adds under FSDP2 is ``fsdp1 / plain`` less ``stock_fsdp1 / stock``."""
+    def ratio(num, den):
+        a, b = (timings.get(n, {}).get("median_ms") for n in (num, den))
+        return a / b if a and b else None
+
+    return {"fsdp1_over_plain": ratio("fsdp1", "plain"), "stock_fsdp1_over_stock": ratio("stock_fsdp1", "stock"),
+            "ulysses1_over_plain": ratio("ulysses1", "plain"), "plain_over_stock": ratio("plain", "stock")}
 
 
 class _CountCollectives:

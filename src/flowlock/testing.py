@@ -174,9 +174,13 @@ def assert_raise_before_launch(calls: Sequence[tuple[type[Exception], str, Calla
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with NaN (floating) or the dtype's minimum (integer) so unwritten reads show."""
-    if t.is_floating_point():
-        return t.fill_(float("nan"))
-    if t.dtype == torch.bool:
-        return t.fill_(True)
-    return t.fill_(torch.iinfo(t.dtype).min)
+    """Fill ``t`` with NaN (floating) or the dtype's minimum (integer) so unwritten reads show.
+
+    The fill is not recorded by autograd: ``t`` may be a fresh leaf that requires grad (torch 2.11's
+    non-reentrant checkpoint allocates one with ``torch.empty(..., requires_grad=True)``)."""
+    with torch.no_grad():
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        if t.dtype == torch.bool:
+            return t.fill_(True)
+        return t.fill_(torch.iinfo(t.dtype).min)

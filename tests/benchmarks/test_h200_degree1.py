@@ -29,12 +29,18 @@ def test_tiny_run_every_degree1_path_gives_plain_strict_bits(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     variants = report["train"]["variants"]
-    assert set(variants) == {"plain", "ulysses1", "fsdp1", "fsdp1_ulysses1"}
+    assert set(variants) == {"plain", "ulysses1", "fsdp1", "fsdp1_ulysses1", "stock", "stock_fsdp1"}
     for name, v in variants.items():
         assert "error" not in v, (name, v)
         assert v["step"]["n"] == 5 and v["step"]["median_ms"] > 0
-        if name != "plain":
+        if name.startswith("stock"):
+            assert v["bitwise_equal"] is None and "param_grads" not in v, (name, v)
+        elif name != "plain":
             assert v["bitwise_equal"] and v["param_grads_equal"] == v["param_grads"] > 50, (name, v)
+    assert variants["stock"]["collectives_in_step"] == {}
+    attribution = report["train"]["attribution"]
+    assert set(attribution) == {"fsdp1_over_plain", "stock_fsdp1_over_stock", "ulysses1_over_plain",
+                                "plain_over_stock"} and all(r > 0 for r in attribution.values()), attribution
     assert variants["plain"]["collectives_in_step"] == {}
     for name in ("ulysses1", "fsdp1_ulysses1"):
         assert "must be greater than 1" in variants[name]["diffusers_refused"]

@@ -36,6 +36,12 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "src")]
 # as tests/conftest.py: Triton runs under its CPU interpreter (the ``i`` jobs run flowlock's kernels)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import vllm_omni_env  # noqa: E402
+
+# as tests/integrations/conftest.py, before anything imports vllm (a CUDA build of torch beside a
+# Python-only vllm would otherwise resolve vLLM's CUDA platform, which needs vllm's compiled ops)
+vllm_omni_env.pin_pure_python_platforms()
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from engine_inputs import ENGINE_CONFIG, diffusers_kwargs, make_request, native_kwargs  # noqa: E402
