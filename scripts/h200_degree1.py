@@ -209,8 +209,10 @@ def train_variants(args, device, base, config, report: dict) -> dict:
             model = models.pop(name)
             if "ulysses1" in name:
                 entry.update(ulysses_degree1(model, device))
-            if name.startswith("fsdp1"):
+            if "fsdp1" in name:
                 fsdp1(model, device)
+            # FSDP2 turns each unit into an FSDP* class: counted, so a variant that should shard but did not shows
+            entry["fsdp2_units"] = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
             if name not in STOCK_VARIANTS:
                 handles.append(flowlock.patch(model))
             steps[name] = Step(model, inputs, cots, cp="ulysses1" in name)

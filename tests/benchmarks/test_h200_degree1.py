@@ -38,6 +38,8 @@ def test_tiny_run_every_degree1_path_gives_plain_strict_bits(tmp_path):
         elif name != "plain":
             assert v["bitwise_equal"] and v["param_grads_equal"] == v["param_grads"] > 50, (name, v)
     assert variants["stock"]["collectives_in_step"] == {}
+    assert variants["stock_fsdp1"]["fsdp2_units"] == variants["fsdp1"]["fsdp2_units"] > 5
+    assert variants["stock"]["fsdp2_units"] == variants["plain"]["fsdp2_units"] == 0
     attribution = report["train"]["attribution"]
     assert set(attribution) == {"fsdp1_over_plain", "stock_fsdp1_over_stock", "ulysses1_over_plain",
                                 "plain_over_stock"} and all(r > 0 for r in attribution.values()), attribution
