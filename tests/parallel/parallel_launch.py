@@ -11,10 +11,11 @@ WORKER = Path(__file__).resolve().parent / "parallel_worker.py"
 
 
 def launch(world: int, scenario: str, timeout: float = 240.0, pg_timeout: float = 60.0,
-           extra_env: dict | None = None) -> tuple[list[Rank], float]:
-    """``parallel_worker.py SCENARIO`` on ``world`` ranks; ranks still running at ``timeout`` are killed
-    and reported with ``returncode`` None (a hang fails the test, never hangs it)."""
-    return _launch(world, scenario, WORKER, timeout=timeout, pg_timeout=pg_timeout, extra_env=extra_env)
+           extra_env: dict | None = None, args: list[str] = ()) -> tuple[list[Rank], float]:
+    """``parallel_worker.py SCENARIO ARGS...`` on ``world`` ranks; ranks still running at ``timeout`` are
+    killed and reported with ``returncode`` None (a hang fails the test, never hangs it)."""
+    return _launch(world, scenario, WORKER, timeout=timeout, pg_timeout=pg_timeout, extra_env=extra_env,
+                   args=list(args))
 
 
 def assert_all_ok(ranks: list[Rank]) -> list[str]:

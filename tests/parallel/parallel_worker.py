@@ -25,6 +25,7 @@ import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 import flowlock.models.minimax_h3.strict as h3_strict
 from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, tiny_h3, tiny_inputs
+from flowlock.ops import final_adaln_out, gate_residual, linear, linear_weight_grad, qk_norm_rope, rms_norm_modulate
 from flowlock.parallel import CollectiveError
 from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
 from flowlock.validate.layout_worker import (
@@ -33,6 +34,7 @@ from flowlock.validate.layout_worker import (
     _local,
     check_fsdp_ulysses,
     check_ulysses,
+    check_ulysses_exact,
     cp_model,
     forward_backward,
     init,
@@ -161,6 +163,76 @@ def checkpointed_blocks(ref, rank: int) -> None:
         got, _ = forward_backward(model, inputs)
     assert_bitwise_equal(got, expected, f"checkpointed Ulysses 2, rank {rank}")
     print(f"rank {rank}: gradient-checkpointed blocks equal one process", flush=True)
+
+
+def scenario_ulysses_exact(rank: int) -> None:
+    check_ulysses_exact(rank)
+
+
+def _exact_op_cases(seq: int):
+    """(name, op, rows [(tensor, dim)], replicated, out_dim, rep_grads) for every op the exact Ulysses
+    path wraps, with inputs drawn from one seed (the same full tensors on every rank)."""
+    gen = torch.Generator().manual_seed(11)
+
+    def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    h, heads, d, tables, e = 32, 2, 16, 6, 24
+    index = torch.randint(0, tables, (seq,), generator=gen)
+    ti = torch.randint(0, 2, (seq,), generator=gen)
+    cos, sin = rnd(seq, d, dtype=torch.float32), rnd(seq, d, dtype=torch.float32)
+
+    def linear_grads(rows_all, dout_all, replicated, needs):
+        return list(linear_weight_grad(rows_all[0], dout_all, *replicated))
+
+    return [
+        ("linear", linear, [(rnd(1, seq, h), 1)], [rnd(48, h, scale=0.2), rnd(48, scale=0.2)], 1, linear_grads),
+        ("rms_norm_modulate", lambda x, i, w, sh, sc: rms_norm_modulate(x, w, sh, sc, i, 1e-6),
+         [(rnd(1, seq, h), 1), (index, 0)], [rnd(h), rnd(tables, h, dtype=torch.float32, scale=0.1),
+                                             rnd(tables, h, dtype=torch.float32, scale=0.1)], 1, None),
+        ("gate_residual", lambda r, y, i, g: gate_residual(r, g, y, i), [(rnd(1, seq, h), 1), (rnd(1, seq, h), 1),
+                                                                          (index, 0)],
+         [rnd(tables, h, dtype=torch.float32)], 1, None),
+        ("qk_norm_rope", lambda x, c, s_, w: qk_norm_rope(x, w, c, s_, 1e-6),
+         [(rnd(1, seq, heads, d), 1), (cos, 0), (sin, 0)], [rnd(d)], 1, None),
+        ("final_adaln_out", lambda x, i, t, nw, w, b: final_adaln_out(x, t, nw, w, b, i, 1e-6),
+         [(rnd(1, seq, h), 1), (ti, 0)], [rnd(2, e, dtype=torch.float32), rnd(h), rnd(2 * h, e, scale=0.2),
+                                          rnd(2 * h, scale=0.2)], 1, None),
+    ]
+
+
+def scenario_exact_ops(rank: int, backend: str) -> None:
+    """Each op the exact Ulysses path wraps, on ``backend``: this rank's rows through
+    ``exact_replicated_grads`` give the one-process output rows, row-input gradient rows and
+    replicated-input gradients, bitwise."""
+    from flowlock.parallel import Ulysses
+
+    n = dist.get_world_size()
+    for seq in (25, 3):
+        sequence = Ulysses().for_sequence(seq, exact_parameter_gradients=True)
+        start, end = sequence.shards.bounds()
+        for name, op, rows, replicated, out_dim, rep_grads in _exact_op_cases(seq):
+            what = f"{name} on {backend}, S={seq}, rank {rank}"
+            with flowlock.use_backend(backend):
+                full_rows = [t.clone().requires_grad_(t.dtype == torch.bfloat16) for t, _ in rows]
+                full_reps = [r.clone().requires_grad_() for r in replicated]
+                out = op(*full_rows, *full_reps)
+                dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+                out.backward(dout)
+                mine = [t.narrow(dim, start, end - start).clone().requires_grad_(t.dtype == torch.bfloat16)
+                        for t, dim in rows]
+                reps = [r.clone().requires_grad_() for r in replicated]
+                with flowlock.mode("strict") as frame:
+                    got = sequence.exact(op, [(t, dim) for t, (_, dim) in zip(mine, rows)], reps, out_dim, rep_grads)
+                    got.backward(dout.narrow(out_dim, start, end - start))
+            assert frame.ran and {b for _, b in frame.ran} == {backend}, (what, frame.ran)
+            assert_bitwise_equal(got, out.narrow(out_dim, start, end - start), what + " output rows")
+            for t, full, (_, dim) in zip(mine, full_rows, rows):
+                if full.grad is not None:
+                    assert_bitwise_equal(t.grad, full.grad.narrow(dim, start, end - start), what + " row gradients")
+            assert_bitwise_equal([r.grad for r in reps], [r.grad for r in full_reps], what + " replicated gradients")
+        print(f"rank {rank}: exact replicated gradients of every wrapped op equal one process on {backend}, "
+              f"S={seq}, {n} ranks", flush=True)
 
 
 def scenario_fsdp_ulysses(rank: int) -> None:

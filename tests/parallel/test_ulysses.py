@@ -29,6 +29,25 @@ def test_ulysses_equals_one_process(world):
             assert "gradient-checkpointed blocks equal one process" in out
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_exact_parameter_gradients_equal_one_process(world):
+    ranks, _ = launch(world, "ulysses_exact")
+    for out in assert_all_ok(ranks):
+        for seq in (24, 25, 3):
+            assert f"Ulysses {world} exact, S={seq}, rank" in out and "parameter gradients equal one process" in out
+        assert f"Ulysses {world} exact, S=25, checkpointed, rank" in out
+        assert "the default fold differs from one process in" in out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_every_wrapped_op_gives_one_process_replicated_gradients(backend):
+    # op by op, so the interpreted Triton kernels stay fast; the whole model runs on the reference above
+    ranks, _ = launch(2, "exact_ops", args=[backend])
+    for out in assert_all_ok(ranks):
+        for seq in (25, 3):
+            assert f"every wrapped op equal one process on {backend}, S={seq}, 2 ranks" in out
+
+
 def test_fsdp2_dp2_times_ulysses2_equals_one_process():
     ranks, _ = launch(4, "fsdp_ulysses")
     for out in assert_all_ok(ranks):

@@ -12,7 +12,7 @@ from flowlock.ops.attention import attention
 from flowlock.ops.euler import euler_step
 from flowlock.ops.final_adaln import final_adaln_out
 from flowlock.ops.gate_residual import gate_residual
-from flowlock.ops.linear import linear
+from flowlock.ops.linear import linear, linear_weight_grad
 from flowlock.ops.qk_norm_rope import qk_norm_rope
 from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
 from flowlock.ops.rows import gather_rows, scatter_rows
@@ -22,6 +22,6 @@ from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
 
 __all__ = [
     "adaln_modulation", "adaln_table", "attention", "euler_step", "final_adaln_out", "gate_residual", "gather_rows",
-    "linear", "qk_norm_rope", "rms_norm", "rms_norm_modulate", "scatter_rows", "segment_sum", "swiglu",
-    "timestep_mlp", "timestep_sinusoid",
+    "linear", "linear_weight_grad", "qk_norm_rope", "rms_norm", "rms_norm_modulate", "scatter_rows", "segment_sum",
+    "swiglu", "timestep_mlp", "timestep_sinusoid",
 ]

@@ -23,6 +23,7 @@ from flowlock.parallel.collectives import (
     collective,
     own_rows,
 )
+from flowlock.parallel.exact_grads import RepGrads, exact_replicated_grads
 from flowlock.parallel.shards import RowShards
 
 
@@ -44,16 +45,19 @@ class Ulysses:
         self.degree = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
 
-    def for_sequence(self, seq_len: int, contract: Sequence[int] = (),
-                     device: torch.device | str = "cpu") -> UlyssesSequence:
+    def for_sequence(self, seq_len: int, contract: Sequence[int] = (), device: torch.device | str = "cpu",
+                     exact_parameter_gradients: bool = False) -> UlyssesSequence:
         """The row shards of one forward over ``seq_len`` rows.
+
+        ``exact_parameter_gradients``: the region's ops give their replicated inputs one process's
+        gradients (:meth:`UlyssesSequence.exact`); part of the contract the ranks must agree on.
 
         ``contract`` is what every rank must agree on besides ``seq_len`` (batch, heads, widths): it is
         compared across the group with one small all-gather, and a rank that differs raises ValueError
         naming the ranks and values on every rank, instead of exchanging mismatched blocks. ``device``
         holds that small tensor: the one the group's backend communicates on (CPU for gloo).
         """
-        values = [seq_len, self.degree, *contract]
+        values = [seq_len, self.degree, int(exact_parameter_gradients), *contract]
         mine = torch.tensor(values, dtype=torch.int64, device=device)
         every = [torch.zeros_like(mine) for _ in range(self.degree)]
         with collective("layout contract all-gather", self.group):
@@ -61,17 +65,25 @@ class Ulysses:
         rows = [t.tolist() for t in every]
         if any(r != values for r in rows):
             raise ValueError(f"the ranks of a Ulysses group disagree on the layout (sequence length, degree, "
-                             f"then {len(contract)} contract values): " + "; ".join(
+                             f"exact parameter gradients, then {len(contract)} contract values): " + "; ".join(
                                  f"rank {r}: {v}" for r, v in enumerate(rows)))
-        return UlyssesSequence(RowShards(seq_len, self.degree, self.rank), self.group)
+        return UlyssesSequence(RowShards(seq_len, self.degree, self.rank), self.group, exact_parameter_gradients)
 
 
 class UlyssesSequence:
     """One forward's sequence shards and the data movement between replicated and sharded regions."""
 
-    def __init__(self, shards: RowShards, group: dist.ProcessGroup):
+    def __init__(self, shards: RowShards, group: dist.ProcessGroup, exact_parameter_gradients: bool = False):
         self.shards = shards
         self.group = group
+        self.exact_parameter_gradients = exact_parameter_gradients
+
+    def exact(self, op: Callable[..., torch.Tensor], rows: Sequence[tuple[torch.Tensor, int]],
+              replicated: Sequence[torch.Tensor | None], out_dim: int, rep_grads: RepGrads | None = None
+              ) -> torch.Tensor:
+        """``op`` on this rank's rows with its replicated inputs' gradients one process's bits: see
+        :func:`flowlock.parallel.exact_grads.exact_replicated_grads` (same arguments)."""
+        return exact_replicated_grads(op, rows, replicated, out_dim, self.shards, self.group, rep_grads)
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Replicated ``x`` -> this rank's rows along ``dim``, contiguous. Differentiable: the backward all-gathers the

@@ -150,6 +150,50 @@ def check_ulysses(rank: int, extra=None) -> None:
             extra(ref, model, sharded)
 
 
+def _all_grads(model) -> dict:
+    return {n: _local(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_ulysses_exact(rank: int) -> None:
+    """Ulysses N = world under ``exact_parameter_gradients`` at every S of :data:`LAYOUTS` and with
+    gradient-checkpointed blocks: outputs, latent gradients and every parameter gradient (after the
+    no-op ``reduce_gradients``) bitwise one process's. The same comparison finds the default rank-order
+    fold differing from one process, so it can tell the two apart."""
+    n = dist.get_world_size()
+    ref, model, ckpt_ref, ckpt = model_for(n), cp_model(n), model_for(n), cp_model(n)
+    for m in (ckpt_ref, ckpt):
+        m.enable_gradient_checkpointing()
+    for m in (model, ckpt):
+        h3_cp.exact_parameter_gradients(m)
+    cases = [(ref, model, layout, "") for layout in LAYOUTS] + [(ckpt_ref, ckpt, LAYOUTS[1], ", checkpointed")]
+    with flowlock.patch(ref), flowlock.patch(model), flowlock.patch(ckpt_ref), flowlock.patch(ckpt):
+        for one, layered, layout, how in cases:
+            what = f"Ulysses {n} exact, S={layout.seq_len}{how}, rank {rank}"
+            inputs = tiny_inputs(BATCH, seed=1, layout=layout)
+            expected, ref_grads = forward_backward(one, inputs)
+            with flowlock.mode("strict") as frame:
+                got, _ = forward_backward(layered, inputs)
+            assert ("attention", "reference") in frame.ran, frame.ran
+            h3_cp.reduce_gradients(layered)
+            grads = _all_grads(layered)
+            assert_bitwise_equal(got, expected, what + " outputs and latent gradients")
+            assert sorted(grads) == sorted(ref_grads), what
+            names = sorted(ref_grads)
+            assert_bitwise_equal([grads[k] for k in names], [ref_grads[k] for k in names],
+                                 what + " parameter gradients")
+            print(f"{what}: all {len(names)} parameter gradients equal one process", flush=True)
+        h3_cp.exact_parameter_gradients(model, False)
+        inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+        _, ref_grads = forward_backward(ref, inputs)
+        forward_backward(model, inputs)
+        h3_cp.reduce_gradients(model)
+        folded = _all_grads(model)
+        differ = [k for k in ref_grads if not torch.equal(folded[k], ref_grads[k])]
+        assert differ, "the default rank-order fold gave one process's bits: the check cannot tell them apart"
+        print(f"rank {rank}: the default fold differs from one process in {len(differ)} parameter gradients",
+              flush=True)
+
+
 def shard_over_dp(model, dp_mesh) -> None:
     """FSDP2 units as verl-omni wraps H3 (blocks and refiner blocks), plus ``norm_out`` and the FP32
     modules as units of their own (FSDP2 wants one dtype per unit), then the root; on ``dp_mesh``."""

@@ -18,6 +18,13 @@ get the full gradient on every rank: input gradients and their parameters' gradi
 single-process bits. Parameters applied to sharded rows (:func:`row_sharded_parameters`) get each
 rank's rows' contribution; :func:`reduce_gradients` sums those over the Ulysses group in one fixed
 order. Ring attention is refused (:func:`unsupported_reason`).
+
+:func:`exact_parameter_gradients` is the option that makes those gradients one process's bits too:
+each op of the sharded region computes its replicated inputs' gradients (weights, norm scales, the
+AdaLN tables, hence the timestep embedding's) from every rank's rows
+(:func:`flowlock.parallel.exact_grads.exact_replicated_grads`), so nothing is left to fold and
+:func:`reduce_gradients` does nothing. It costs each rank the weight-gradient work of all ``S`` rows
+and the traffic of each op's rows (docs/layouts.md has the numbers).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from torch import nn
 
 from flowlock.ops._validate import memoized_over
 from flowlock.parallel import Ulysses, UlyssesSequence, check_heads, fold_sum_
+
+# Set on a model by exact_parameter_gradients; read by every forward (sequence_plan).
+EXACT_PARAMETER_GRADIENTS = "_flowlock_exact_parameter_gradients"
 
 # Prefixes of the parameters applied to sharded rows: the blocks, norm_out, and the timestep
 # embedding, whose output feeds the AdaLN tables indexed by sharded rows.
@@ -43,6 +53,17 @@ def context_parallel_config(model: nn.Module):
     """The ``ContextParallelConfig`` diffusers' ``enable_parallelism`` recorded on ``model``, or None."""
     config = getattr(model, "_parallel_config", None)
     return None if config is None else config.context_parallel_config
+
+
+def exact_parameter_gradients(model: nn.Module, enabled: bool = True) -> None:
+    """Make ``model``'s Ulysses parameter gradients one process's bits on every rank (``enabled``), or
+    the rank-order fold of per-rank partials (the default, cheaper). Eager strict forwards only: a
+    forward traced by ``torch.compile`` with the option on raises. Every rank must set the same."""
+    setattr(model, EXACT_PARAMETER_GRADIENTS, bool(enabled))
+
+
+def _exact(model: nn.Module) -> bool:
+    return getattr(model, EXACT_PARAMETER_GRADIENTS, False)
 
 
 def check_layout(model: nn.Module) -> None:
@@ -121,7 +142,11 @@ def sequence_plan(model: nn.Module, structure: list[torch.Tensor], batch: int, s
     contract = (batch, model.config.num_attention_heads, model.config.hidden_size, len(model.transformer_blocks),
                 fingerprint)
     seq_len, device = structure[0].shape[0], structure[0].device
-    return Ulysses(group).for_sequence(seq_len, contract, device=device)
+    exact = _exact(model)
+    if exact and torch.compiler.is_compiling():
+        raise RuntimeError("exact parameter gradients under Ulysses gather rows inside the backward, which "
+                           "torch.compile does not trace: run the model eagerly, or turn the option off")
+    return Ulysses(group).for_sequence(seq_len, contract, device=device, exact_parameter_gradients=exact)
 
 
 def row_sharded_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -133,14 +158,15 @@ def reduce_gradients(model: nn.Module) -> None:
     """After backward under Ulysses: replace the gradients of :func:`row_sharded_parameters` by their
     sum over the Ulysses group, folded in rank order (:func:`flowlock.parallel.fold_sum_`), so every
     rank of the group holds the same, repeatable bits. The other gradients are already whole on every
-    rank and are left alone. Under FSDP2 on the data-parallel mesh dimension call it after backward
+    rank and are left alone. Under :func:`exact_parameter_gradients` every gradient is already one
+    process's: nothing to do. Under FSDP2 on the data-parallel mesh dimension call it after backward
     (FSDP2 has reduced over data-parallel ranks); gradients stay sharded. No-op without CP and on a
     group of one rank."""
     cp = context_parallel_config(model)
     if cp is None:
         return
     group = cp._ulysses_mesh.get_group()
-    if group.size() == 1:
+    if group.size() == 1 or _exact(model):
         return
     grads = [p.grad for _, p in row_sharded_parameters(model) if p.grad is not None]
     fold_sum_(grads, group)

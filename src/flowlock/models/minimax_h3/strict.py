@@ -54,13 +54,13 @@ from flowlock.models.minimax_h3.context_parallel import sequence_plan
 from flowlock.models.minimax_h3.hooks import compute_param, leaf_hook_reason
 from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
 from flowlock.models.minimax_h3.structure import module_class, validate_structure
-from flowlock.modes import fallback_or_raise
+from flowlock.modes import StrictModeError, fallback_or_raise
 from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.attention import attention
 from flowlock.ops.final_adaln import final_adaln_out
 from flowlock.ops.gate_residual import gate_residual
-from flowlock.ops.linear import linear
+from flowlock.ops.linear import linear, linear_weight_grad
 from flowlock.ops.qk_norm_rope import qk_norm_rope
 from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
 from flowlock.ops.rows import gather_rows, scatter_rows
@@ -203,14 +203,18 @@ class Run:
         for leaf in (norm_out.norm, norm_out.linear):
             self._check(leaf, leaf_hook_reason(leaf), fallback=norm_out)
 
+    def name(self, module: nn.Module) -> str:
+        """``module``'s name under the root, for messages."""
+        if self._names is None:
+            # module names only for messages: walked once, and only when a message needs one, so a
+            # passing forward of a deep model does not pay for named_modules()
+            self._names = {id(m): n for n, m in self._root.named_modules()}
+        return self._names.get(id(module), type(module).__name__)
+
     def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None):
         if reason is None:
             return
-        if self._names is None:
-            # module names only for messages: walked once, and only when a check fails, so a passing
-            # forward of a deep model does not pay for named_modules()
-            self._names = {id(m): n for n, m in self._root.named_modules()}
-        fallback_or_raise(f"minimax_h3 {self._names.get(id(module), type(module).__name__)}", reason)
+        fallback_or_raise(f"minimax_h3 {self.name(module)}", reason)
         self.fallback.add(id(fallback if fallback is not None else module))
 
     def _check_attention(self, attn: nn.Module) -> None:
@@ -246,11 +250,28 @@ class Run:
         # the id of what it hashes, which would compile each block instance as a graph of its own.
         return bool(self.fallback) and id(module) in self.fallback
 
-    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def exact(self, sharded_rows: bool) -> UlyssesSequence | None:
+        """The Ulysses sequence whose ops take one process's parameter gradients from all rows
+        (``context_parallel.exact_parameter_gradients``), for an op on sharded rows; else None."""
+        if sharded_rows and self.sequence is not None and self.sequence.exact_parameter_gradients:
+            return self.sequence
+        return None
+
+    def _exact_only_strict(self, module: nn.Module, sequence: UlyssesSequence | None) -> None:
+        if sequence is not None and self.runs_own(module):
+            raise StrictModeError(f"{self.name(module)}: exact parameter gradients under Ulysses compute every "
+                                  "sharded op with flowlock; this module runs its own forward")
+
+    def linear(self, module: nn.Module, x: torch.Tensor, sharded_rows: bool = False) -> torch.Tensor:
+        exact = self.exact(sharded_rows)
+        self._exact_only_strict(module, exact)
         if self.runs_own(module):
             return module(x)
         if module_class(module) is nn.Linear:
-            return linear(x, compute_param(module, "weight"), compute_param(module, "bias"))
+            return _linear(x, compute_param(module, "weight"), compute_param(module, "bias"), exact)
+        if exact is not None:
+            raise StrictModeError(f"{self.name(module)}: exact parameter gradients under Ulysses serve plain "
+                                  f"nn.Linear layers; {type(module).__name__} (a LoRA layer) is not served yet")
         return strict_lora_linear(module, x)
 
     def rms_norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -270,21 +291,21 @@ class Run:
         if self.runs_own(attn):
             return attn(x, rope)
         if getattr(attn, "fused_projections", False):
-            q, k, v = self._fused_qkv(attn.to_qkv, x)
+            q, k, v = self._fused_qkv(attn.to_qkv, x, sharded_rows)
         else:
-            q, k, v = (self.linear(m, x) for m in (attn.to_q, attn.to_k, attn.to_v))
+            q, k, v = (self.linear(m, x, sharded_rows) for m in (attn.to_q, attn.to_k, attn.to_v))
         q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in (q, k, v))
         if rope is None:
             q, k = self.rms_norm(attn.norm_q, q), self.rms_norm(attn.norm_k, k)
         else:
-            q, k = (self._qk_norm_rope(norm, t, rope) for norm, t in ((attn.norm_q, q), (attn.norm_k, k)))
+            q, k = (self._qk_norm_rope(norm, t, rope, sharded_rows) for norm, t in ((attn.norm_q, q), (attn.norm_k, k)))
         if sharded_rows and self.sequence is not None:
             out = self.sequence.attention(attention, q, k, v)
         else:
             out = attention(q, k, v)
-        return self.linear(attn.to_out[0], out.flatten(2, 3))
+        return self.linear(attn.to_out[0], out.flatten(2, 3), sharded_rows)
 
-    def _fused_qkv(self, to_qkv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _fused_qkv(self, to_qkv: nn.Module, x: torch.Tensor, sharded_rows: bool) -> tuple[torch.Tensor, ...]:
         if module_class(to_qkv) is nn.Linear and not self.runs_own(to_qkv):
             # Three GEMMs on the row blocks of the stacked weight (contiguous views; the split's
             # backward is one exact concatenation): the same nodes as an unfused model, so forward
@@ -293,21 +314,30 @@ class Run:
             # differently from autograd's sum of three dX partials.
             weight, bias = compute_param(to_qkv, "weight"), compute_param(to_qkv, "bias")
             biases = bias.chunk(3) if bias is not None else (None, None, None)
-            return tuple(linear(x, w, b) for w, b in zip(weight.chunk(3), biases))
-        q, k, v = self.linear(to_qkv, x).chunk(3, dim=-1)
+            exact = self.exact(sharded_rows)
+            return tuple(_linear(x, w, b, exact) for w, b in zip(weight.chunk(3), biases))
+        q, k, v = self.linear(to_qkv, x, sharded_rows).chunk(3, dim=-1)
         return q.contiguous(), k.contiguous(), v
 
-    def _qk_norm_rope(self, norm: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def _qk_norm_rope(self, norm: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      sharded_rows: bool = False):
+        exact = self.exact(sharded_rows)
+        self._exact_only_strict(norm, exact)
         if self.runs_own(norm):
             from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
 
             return _apply_rotary_emb(norm(x), *rope)
-        return qk_norm_rope(x, compute_param(norm, "weight"), rope[0], rope[1], norm.eps)
+        weight, eps = compute_param(norm, "weight"), norm.eps
+        if exact is None:
+            return qk_norm_rope(x, weight, rope[0], rope[1], eps)
+        return exact.exact(lambda t, c, s, w: qk_norm_rope(t, w, c, s, eps), [(x, 1), (rope[0], 0), (rope[1], 0)],
+                           [weight], out_dim=1)
 
-    def feed_forward(self, ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, ff: nn.Module, x: torch.Tensor, sharded_rows: bool = False) -> torch.Tensor:
+        self._exact_only_strict(ff, self.exact(sharded_rows))
         if self.runs_own(ff):
             return ff(x)
-        return self.linear(ff.net[2], swiglu(self.linear(ff.net[0].proj, x)))
+        return self.linear(ff.net[2], swiglu(self.linear(ff.net[0].proj, x, sharded_rows)), sharded_rows)
 
 
 _ACTIVE = threading.local()
@@ -319,6 +349,19 @@ STRICT_MARK = "__flowlock_strict__"
 def active_run() -> Run | None:
     """The ``Run`` of the root forward currently calling a submodule, if any."""
     return getattr(_ACTIVE, "run", None)
+
+
+def _linear_weight_grads(rows_all, dout_all, replicated, needs):
+    dw, db = linear_weight_grad(rows_all[0], dout_all, *replicated)
+    return [dw if needs[0] else None, db if needs[1] else None]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            exact: UlyssesSequence | None) -> torch.Tensor:
+    if exact is None:
+        return linear(x, weight, bias)
+    # dW / dBias over all rows by the backward's own kernels (no forward recomputation)
+    return exact.exact(linear, [(x, x.ndim - 2)], [weight, bias], out_dim=x.ndim - 2, rep_grads=_linear_weight_grads)
 
 
 def _is_strict(module: nn.Module) -> bool:
@@ -361,28 +404,44 @@ def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tenso
     table = adaln_table(temb, compute_param(proj, "weight"), compute_param(proj, "bias"))
     hidden = x.shape[-1]
     chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
-    check = run.check_indices
     normed = _modulate(run, block.norm1, x, chunk[SHIFT_MSA], chunk[SCALE_MSA], adaln_indices)
     attn_out = run.attention(block.attn, normed, rotary_emb, sharded_rows=True)
-    x = gate_residual(x, chunk[GATE_MSA], attn_out, adaln_indices, check_indices=check)
+    x = _gate_residual(run, x, chunk[GATE_MSA], attn_out, adaln_indices)
     normed = _modulate(run, block.norm2, x, chunk[SHIFT_MLP], chunk[SCALE_MLP], adaln_indices)
-    ff_out = run.feed_forward(block.ff, normed)
-    return gate_residual(x, chunk[GATE_MLP], ff_out, adaln_indices, check_indices=check)
+    ff_out = run.feed_forward(block.ff, normed, sharded_rows=True)
+    return _gate_residual(run, x, chunk[GATE_MLP], ff_out, adaln_indices)
+
+
+def _gate_residual(run: Run, x, gate, y, index):
+    exact, check = run.exact(sharded_rows=True), run.check_indices
+    if exact is None:
+        return gate_residual(x, gate, y, index, check_indices=check)
+    return exact.exact(lambda r, t, i, g: gate_residual(r, g, t, i, check_indices=check), [(x, 1), (y, 1), (index, 0)],
+                       [gate], out_dim=1)
 
 
 def norm_out_forward(run: Run, norm_out: nn.Module, x: torch.Tensor, temb: torch.Tensor,
                      timestep_indices: torch.Tensor) -> torch.Tensor:
     """``MiniMaxH3AdaLayerNormOut.forward`` on ``final_adaln_out``: (B, S, hidden) bf16 -> same."""
     norm, proj = norm_out.norm, norm_out.linear
-    return final_adaln_out(x, temb, compute_param(norm, "weight"), compute_param(proj, "weight"),
-                           compute_param(proj, "bias"), timestep_indices, norm.eps, check_indices=run.check_indices)
+    params = [compute_param(norm, "weight"), compute_param(proj, "weight"), compute_param(proj, "bias")]
+    exact, check, eps = run.exact(sharded_rows=True), run.check_indices, norm.eps
+    if exact is None:
+        return final_adaln_out(x, temb, *params, timestep_indices, eps, check_indices=check)
+    return exact.exact(lambda t, i, e, nw, w, b: final_adaln_out(t, e, nw, w, b, i, eps, check_indices=check),
+                       [(x, 1), (timestep_indices, 0)], [temb, *params], out_dim=1)
 
 
 def _modulate(run: Run, norm: nn.Module, x, shift, scale, index):
+    exact = run.exact(sharded_rows=True)
+    run._exact_only_strict(norm, exact)
     if run.runs_own(norm):
         return norm(x) * (1.0 + scale.to(x.dtype)[index]) + shift.to(x.dtype)[index]
-    return rms_norm_modulate(x, compute_param(norm, "weight"), shift, scale, index, norm.eps,
-                             check_indices=run.check_indices)
+    weight, eps, check = compute_param(norm, "weight"), norm.eps, run.check_indices
+    if exact is None:
+        return rms_norm_modulate(x, weight, shift, scale, index, eps, check_indices=check)
+    return exact.exact(lambda t, i, w, sh, sc: rms_norm_modulate(t, w, sh, sc, i, eps, check_indices=check),
+                       [(x, 1), (index, 0)], [weight, shift, scale], out_dim=1)
 
 
 def _call_block(owner: nn.Module, run: Run, block: nn.Module, *args):

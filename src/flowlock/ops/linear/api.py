@@ -10,7 +10,14 @@ from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import check_tensor
 from flowlock.ops.linear.opaque import linear_reference_op
 from flowlock.ops.linear.reference import linear_reference
-from flowlock.ops.linear.triton import LinearFunction, linear_forward, lookup, tma_alignment_error
+from flowlock.ops.linear.triton import (
+    LinearFunction,
+    linear_dbias,
+    linear_dw,
+    linear_forward,
+    lookup,
+    tma_alignment_error,
+)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OUT_DTYPES = {torch.bfloat16: (torch.bfloat16, torch.float32), torch.float16: (torch.float16, torch.float32),
@@ -43,6 +50,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Raises TypeError (wrong type or dtype) or ValueError (shape, device, contiguity, out_dtype,
     or a weight shape the Hopper TMA kernel cannot address) before anything runs.
     """
+    out_dtype = _checked(x, weight, bias, out_dtype)
+    n, k = weight.shape
+    if backend_for("linear", x, weight, bias) == "reference":
+        return (linear_reference_op if traced() else linear_reference)(x, weight, bias, out_dtype)
+    cfg = lookup("linear_fwd", weight, x, weight)
+    if cfg["TMA"]:
+        reason = tma_alignment_error(weight, (x.dtype, out_dtype))
+        if reason is not None:
+            raise ValueError(f"weight: {reason}")
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k)
+    if needs_graph(x, weight, bias):
+        out = LinearFunction.apply(x2d, weight, bias, out_dtype, cfg)
+    else:
+        out = linear_forward(x2d, weight, bias, out_dtype, cfg)
+    return out.reshape(*lead, n)
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+             ) -> torch.dtype:
+    """Raise before anything runs unless ``linear(x, weight, bias, out_dtype=out_dtype)`` is valid; return
+    the output dtype."""
     check_tensor("x", x, dtypes=_DTYPES)
     check_tensor("weight", weight, dtypes=_DTYPES, ndim=2)
     if weight.dtype != x.dtype:
@@ -69,17 +98,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if out_dtype not in _OUT_DTYPES[x.dtype]:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES[x.dtype]} for {x.dtype} inputs, got {out_dtype}")
 
-    if backend_for("linear", x, weight, bias) == "reference":
-        return (linear_reference_op if traced() else linear_reference)(x, weight, bias, out_dtype)
-    cfg = lookup("linear_fwd", weight, x, weight)
-    if cfg["TMA"]:
-        reason = tma_alignment_error(weight, (x.dtype, out_dtype))
-        if reason is not None:
-            raise ValueError(f"weight: {reason}")
+    return out_dtype
+
+
+def linear_weight_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       *, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dW, dBias)`` of ``linear(x, weight, bias, out_dtype=out_dtype)`` for the output gradient ``dy``:
+    the bits its backward gives for the same ``x`` and ``dy``, computed without a forward.
+
+    Shapes: ``x (..., K)``, ``dy (..., N)`` with ``x``'s leading shape, in the output dtype; ``dW (N, K)``
+    in ``weight``'s dtype, ``dBias (N,)`` in ``bias``'s (None without a bias). For a backward that
+    already holds ``x`` and ``dy`` of every row (sequence parallelism gathering a row-sharded layer's
+    rows), so that the weight gradient is one process's. Triton: the backward's own dW / dBias kernels
+    and configs. Reference: the reference forward's autograd graph run once more on ``x``, so its
+    BLAS calls (and bits) are the backward's.
+    """
+    out_dtype = _checked(x, weight, bias, out_dtype)
+    n, k = weight.shape
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, k)
-    if needs_graph(x, weight, bias):
-        out = LinearFunction.apply(x2d, weight, bias, out_dtype, cfg)
-    else:
-        out = linear_forward(x2d, weight, bias, out_dtype, cfg)
-    return out.reshape(*lead, n)
+    check_tensor("dy", dy, dtypes=(out_dtype,), shape=(*lead, n), device=x.device)
+    if backend_for("linear", x, weight, bias) == "reference":
+        leaves = [t.detach().requires_grad_() for t in (weight, bias) if t is not None]
+        with torch.enable_grad():
+            out = linear_reference(x.detach(), leaves[0], leaves[1] if bias is not None else None, out_dtype)
+            grads = torch.autograd.grad(out, leaves, dy)
+        return grads[0], (grads[1] if bias is not None else None)
+    x2d, dy2d = x.reshape(-1, k), dy.reshape(-1, n).contiguous()
+    dw = linear_dw(dy2d, x2d, weight, weight.dtype)
+    db = linear_dbias(dy2d, weight, bias.dtype) if bias is not None else None
+    return dw, db
