@@ -68,9 +68,10 @@ TOP_KERNELS = 25
 KERNEL_GROUPS = (("attention", ("attention", "attn", "flash", "fmha", "sdpa", "cudnn")),
                  ("gemm", ("gemm", "linear", "nvjet", "cutlass", "xmma", "cublas", "matmul", "wgrad")),
                  ("copy/fill", ("copy", "memcpy", "memset", "fill", "gather", "scatter")))
-# Which forward runs is set by Paths.use (the patch attached or detached), not by a flowlock mode:
-# modes are thread-local and do not reach the gradient-checkpoint recomputation that the CUDA
-# autograd threads run, so "provider" mode would recompute stock blocks on the strict path.
+# Which forward runs is set by Paths.use (the patch attached or detached), not by a flowlock mode, so
+# stock is timed with no flowlock wrapper in its call path at all (provider mode would also give
+# stock arithmetic: the patch carries the caller's mode into the CUDA autograd threads'
+# gradient-checkpoint recomputation, models/minimax_h3/patch.py).
 MODE = "strict"
 
 

@@ -43,6 +43,11 @@ def use_backend(name: str):
         _local.forced = previous
 
 
+def forced_backend() -> str | None:
+    """The backend :func:`use_backend` forces on this thread, or None."""
+    return _local.forced
+
+
 def backend_for(op: str, *tensors: torch.Tensor | None) -> str:
     """Resolve the backend for ``op`` from its tensors' device and record it in the mode readback.
 

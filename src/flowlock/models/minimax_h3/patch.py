@@ -11,14 +11,25 @@ the stock path). Otherwise the strict forward runs in audit mode when either the
 the patch's mode is ``audit``, else in strict mode. When the caller's frame already has that mode
 it receives the readback; a patch in audit mode called outside any audit frame pushes one for the
 call and appends its fallbacks to ``PatchHandle.fallbacks``.
+
+Modes and a forced backend are thread-local, and on CUDA the autograd engine recomputes a
+gradient-checkpointed block on its own threads, where neither is set: a provider-mode forward would
+be recomputed on the strict path (other activations, silently other gradients), an audit-mode one
+in strict mode. While a patched module that owns diffusers' ``_gradient_checkpointing_func`` runs
+eagerly, the function is wrapped so that each checkpointed call records the caller's mode and
+backend and its recomputation runs in them (:class:`_InCallerState`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
 
+import torch
+
+from flowlock.dispatch import forced_backend, use_backend
 from flowlock.models.minimax_h3.context_parallel import unsupported_reason as context_parallel_unsupported
 from flowlock.models.minimax_h3.strict import (
     STRICT_MARK,
@@ -53,6 +64,12 @@ def make_patched_forward(module, original, handle, strict_call):
 
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
+        if "_gradient_checkpointing_func" in self.__dict__ and getattr(self, "gradient_checkpointing", False):
+            with _checkpoints_in_caller_state(self):
+                return _forward(self, *args, **kwargs)
+        return _forward(self, *args, **kwargs)
+
+    def _forward(self, *args, **kwargs):
         # A partial, not type(self).forward.__get__(self): torch 2.11's dynamo cannot trace __get__.
         stock = instance_forward or functools.partial(type(self).forward, self)
         if current_mode() == "provider":
@@ -70,6 +87,43 @@ def make_patched_forward(module, original, handle, strict_call):
     setattr(forward, STRICT_MARK, True)
     setattr(forward, REPLACEMENT_MARK, True)
     return types.MethodType(forward, module)
+
+
+class _InCallerState:
+    """``module`` called in the mode and forced backend that were active when this was made, on
+    whichever thread calls it (diffusers' checkpoint function calls ``module.__call__``)."""
+
+    def __init__(self, module):
+        self.module, self.mode, self.backend = module, current_mode(), forced_backend()
+
+    def __call__(self, *args, **kwargs):
+        with mode(self.mode), (use_backend(self.backend) if self.backend else contextlib.nullcontext()):
+            return self.module(*args, **kwargs)
+
+
+def _in_caller_state(checkpoint):
+    def checkpointed(block, *args, **kwargs):
+        return checkpoint(_InCallerState(block), *args, **kwargs)
+    return checkpointed
+
+
+@contextlib.contextmanager
+def _checkpoints_in_caller_state(root):
+    """For the call: every module under ``root`` that checkpoints (the model, its token refiner) wraps
+    its checkpoint function with :class:`_InCallerState`; restored after, also on error."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        yield
+        return
+    owners = [m for m in root.modules()
+              if "_gradient_checkpointing_func" in m.__dict__ and getattr(m, "gradient_checkpointing", False)]
+    originals = [m._gradient_checkpointing_func for m in owners]
+    for m, checkpoint in zip(owners, originals):
+        m._gradient_checkpointing_func = _in_caller_state(checkpoint)
+    try:
+        yield
+    finally:
+        for m, checkpoint in zip(owners, originals):
+            m._gradient_checkpointing_func = checkpoint
 
 
 def _is_class_forward(module, method) -> bool:
