@@ -37,6 +37,7 @@ def test_exact_parameter_gradients_equal_one_process(world):
             assert f"Ulysses {world} exact, S={seq}, rank" in out and "parameter gradients equal one process" in out
         assert f"Ulysses {world} exact, S=25, checkpointed, rank" in out
         assert "the default fold differs from one process in" in out
+        assert "an audit fallback under exact parameter gradients refused" in out
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -192,6 +192,22 @@ def check_ulysses_exact(rank: int) -> None:
         assert differ, "the default rank-order fold gave one process's bits: the check cannot tell them apart"
         print(f"rank {rank}: the default fold differs from one process in {len(differ)} parameter gradients",
               flush=True)
+        # an audit-mode fallback (an active dropout: its module runs its own forward) would leave its
+        # parameters' gradients partial: refused, before any collective
+        h3_cp.exact_parameter_gradients(model)
+        dropout = model.transformer_blocks[0].ff.net[1]
+        dropout.p, training = 0.1, dropout.training
+        dropout.train()
+        try:
+            with flowlock.mode("audit"):
+                model(**inputs)
+            raise AssertionError("an audit fallback under exact parameter gradients was not refused")
+        except flowlock.StrictModeError as err:
+            assert "transformer_blocks.0.ff" in str(err), err
+        finally:
+            dropout.p = 0.0
+            dropout.train(training)
+        print(f"rank {rank}: an audit fallback under exact parameter gradients refused", flush=True)
 
 
 def shard_over_dp(model, dp_mesh) -> None:

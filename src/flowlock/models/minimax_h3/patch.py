@@ -97,6 +97,9 @@ class _InCallerState:
         self.module, self.mode, self.backend = module, current_mode(), forced_backend()
 
     def __call__(self, *args, **kwargs):
+        if current_mode() == self.mode and forced_backend() == self.backend:
+            # the checkpointed forward itself, on the caller's thread: its ops report to the caller's frame
+            return self.module(*args, **kwargs)
         with mode(self.mode), (use_backend(self.backend) if self.backend else contextlib.nullcontext()):
             return self.module(*args, **kwargs)
 

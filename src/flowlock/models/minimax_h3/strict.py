@@ -153,6 +153,10 @@ class Run:
         run._check(model.rope, leaf_hook_reason(model.rope))
         run._check_norm_out(model.norm_out)
         run._check_time_embedder(model.time_embedder)
+        if run.fallback and sequence is not None and sequence.exact_parameter_gradients:
+            names = sorted(run.name(m) for m in model.modules() if id(m) in run.fallback)
+            raise StrictModeError("exact parameter gradients under Ulysses need every module on flowlock's path; "
+                                  f"these run their own forward (audit fallbacks): {', '.join(names)}")
         return run
 
     @classmethod
@@ -257,14 +261,8 @@ class Run:
             return self.sequence
         return None
 
-    def _exact_only_strict(self, module: nn.Module, sequence: UlyssesSequence | None) -> None:
-        if sequence is not None and self.runs_own(module):
-            raise StrictModeError(f"{self.name(module)}: exact parameter gradients under Ulysses compute every "
-                                  "sharded op with flowlock; this module runs its own forward")
-
     def linear(self, module: nn.Module, x: torch.Tensor, sharded_rows: bool = False) -> torch.Tensor:
         exact = self.exact(sharded_rows)
-        self._exact_only_strict(module, exact)
         if self.runs_own(module):
             return module(x)
         if module_class(module) is nn.Linear:
@@ -322,7 +320,6 @@ class Run:
     def _qk_norm_rope(self, norm: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       sharded_rows: bool = False):
         exact = self.exact(sharded_rows)
-        self._exact_only_strict(norm, exact)
         if self.runs_own(norm):
             from diffusers.models.transformers.transformer_minimax_h3 import _apply_rotary_emb
 
@@ -334,7 +331,6 @@ class Run:
                            [weight], out_dim=1)
 
     def feed_forward(self, ff: nn.Module, x: torch.Tensor, sharded_rows: bool = False) -> torch.Tensor:
-        self._exact_only_strict(ff, self.exact(sharded_rows))
         if self.runs_own(ff):
             return ff(x)
         return self.linear(ff.net[2], swiglu(self.linear(ff.net[0].proj, x, sharded_rows)), sharded_rows)
@@ -434,7 +430,6 @@ def norm_out_forward(run: Run, norm_out: nn.Module, x: torch.Tensor, temb: torch
 
 def _modulate(run: Run, norm: nn.Module, x, shift, scale, index):
     exact = run.exact(sharded_rows=True)
-    run._exact_only_strict(norm, exact)
     if run.runs_own(norm):
         return norm(x) * (1.0 + scale.to(x.dtype)[index]) + shift.to(x.dtype)[index]
     weight, eps, check = compute_param(norm, "weight"), norm.eps, run.check_indices
