@@ -57,7 +57,7 @@ def exact_replicated_grads(op: Callable[..., torch.Tensor], rows: Sequence[tuple
     out = op(*(t for t, _ in rows), *(r.detach() if r is not None else None for r in replicated))
     if not torch.is_grad_enabled() or not any(r is not None and r.requires_grad for r in replicated):
         return out
-    spec = (op, [d for _, d in rows], out_dim, shards, group, rep_grads or _autograd_rep_grads(op), len(rows))
+    spec = ([d for _, d in rows], out_dim, shards, group, rep_grads or _autograd_rep_grads(op))
     return _ReplicatedFromAllRows.apply(out, spec, *(t for t, _ in rows), *replicated)
 
 
@@ -67,14 +67,14 @@ class _ReplicatedFromAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, spec, *inputs):
         ctx.spec = spec
-        ctx.save_for_backward(*(t if isinstance(t, torch.Tensor) else None for t in inputs))
-        ctx.none = [t is None for t in inputs]
+        ctx.save_for_backward(*inputs)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, dout):
-        _, row_dims, out_dim, shards, group, rep_grads, n_rows = ctx.spec
-        saved = [None if none else t for none, t in zip(ctx.none, ctx.saved_tensors)]
+        row_dims, out_dim, shards, group, rep_grads = ctx.spec
+        n_rows = len(row_dims)
+        saved = ctx.saved_tensors  # read once: checkpointed recomputation allows one unpack
         rows, replicated = saved[:n_rows], saved[n_rows:]
         rows_all = [all_gather_rows(t.detach(), dim, shards, group) for t, dim in zip(rows, row_dims)]
         dout_all = all_gather_rows(dout.contiguous(), out_dim, shards, group)
