@@ -64,7 +64,7 @@ def make_patched_forward(module, original, handle, strict_call):
 
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
-        if "_gradient_checkpointing_func" in self.__dict__ and getattr(self, "gradient_checkpointing", False):
+        if _checkpoints(self):
             with _checkpoints_in_caller_state(self):
                 return _forward(self, *args, **kwargs)
         return _forward(self, *args, **kwargs)
@@ -104,6 +104,11 @@ class _InCallerState:
             return self.module(*args, **kwargs)
 
 
+def _checkpoints(module) -> bool:
+    """Whether ``module`` owns diffusers' checkpoint function and has checkpointing on."""
+    return "_gradient_checkpointing_func" in module.__dict__ and getattr(module, "gradient_checkpointing", False)
+
+
 def _in_caller_state(checkpoint):
     def checkpointed(block, *args, **kwargs):
         return checkpoint(_InCallerState(block), *args, **kwargs)
@@ -117,8 +122,7 @@ def _checkpoints_in_caller_state(root):
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         yield
         return
-    owners = [m for m in root.modules()
-              if "_gradient_checkpointing_func" in m.__dict__ and getattr(m, "gradient_checkpointing", False)]
+    owners = [m for m in root.modules() if _checkpoints(m)]
     originals = [m._gradient_checkpointing_func for m in owners]
     for m, checkpoint in zip(owners, originals):
         m._gradient_checkpointing_func = _in_caller_state(checkpoint)
