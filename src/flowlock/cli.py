@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", default=None)
         p.set_defaults(func=func)
     sub.choices["check"].add_argument("--layout", default=None, help="instead: the layout suite on gloo "
-                                      "subprocesses (ulysses=2, ulysses=4, dp=2,ulysses=2)")
+                                      "subprocesses (ulysses=2, ulysses=4, dp=2,ulysses=2, dp=2,exact, dp=4,exact)")
     trace_parser = sub.choices["trace"]
     trace_parser.add_argument("--rollout", **rollout)
     trace_parser.add_argument("--layout", default=None,

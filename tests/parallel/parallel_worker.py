@@ -31,13 +31,13 @@ from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
 from flowlock.validate.layout_worker import (
     BATCH,
     LAYOUTS,
-    _local,
     check_fsdp_ulysses,
     check_ulysses,
     check_ulysses_exact,
     cp_model,
     forward_backward,
     init,
+    local,
     reduce_and_check,
     trace_layout,
 )
@@ -105,7 +105,7 @@ def planted_naive_all_reduce(model, sharded: set, rank: int) -> None:
 
     def naive(grads, group):
         for g in grads:
-            dist.all_reduce(_local(g), group=group)
+            dist.all_reduce(local(g), group=group)
 
     inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
     _, grads = forward_backward(model, inputs)

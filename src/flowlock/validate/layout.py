@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # spec -> (world size, worker scenario)
-LAYOUTS = {"ulysses=2": (2, "ulysses"), "ulysses=4": (4, "ulysses"), "dp=2,ulysses=2": (4, "fsdp_ulysses")}
+LAYOUTS = {"ulysses=2": (2, "ulysses"), "ulysses=4": (4, "ulysses"), "dp=2,ulysses=2": (4, "fsdp_ulysses"),
+           "dp=2,exact": (2, "exact_dp"), "dp=4,exact": (4, "exact_dp")}
 
 
 @dataclass

@@ -25,20 +25,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from diffusers import ContextParallelConfig
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
-from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, make_h3, tiny_h3, tiny_inputs
+from flowlock.models.minimax_h3 import tiny_inputs
 from flowlock.testing import assert_bitwise_equal
-
-LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
-BATCH = 2
-FOUR_HEADS = dict(TINY_H3_CONFIG, num_attention_heads=4)
-# S = 24 (a multiple of 2 and 4), 25 (of neither), 3 (fewer rows than 4 ranks: a zero-row shard).
-LAYOUTS = (build_layout(5, 2, 2, 3, 7), build_layout(5, 2, 2, 3, 8), build_layout(1, 1, 1, 1, 1))
+from flowlock.validate.layout_exact_dp import check_exact_data_parallel
+from flowlock.validate.layout_models import BATCH, LATENTS, LAYOUTS, cp_model, local, model_for
 
 
 def init() -> int:
@@ -49,15 +44,6 @@ def init() -> int:
     timeout = datetime.timedelta(seconds=float(os.environ.get("FLOWLOCK_PG_TIMEOUT", "60")))
     dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank()
-
-
-def model_for(degree: int):
-    """The tiny H3 (2 heads) for degree <= 2, the same with 4 heads for degree 4."""
-    return tiny_h3() if degree <= 2 else make_h3(FOUR_HEADS)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def forward_backward(model, inputs: dict, rows: slice = slice(None), seed: int = 5):
@@ -71,15 +57,8 @@ def forward_backward(model, inputs: dict, rows: slice = slice(None), seed: int =
     outs = (out.sample, out.audio_sample)
     cot = [torch.randn((BATCH, *t.shape[1:]), generator=gen)[rows].to(t.dtype) for t in outs]
     torch.autograd.backward(list(outs), cot)
-    grads = {n: _local(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: local(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return (out.sample.detach(), out.audio_sample.detach(), *(inputs[k].grad for k in LATENTS)), grads
-
-
-def cp_model(degree: int, base=None, **config):
-    """``base`` (default: :func:`model_for`) under diffusers' ``enable_parallelism`` with Ulysses ``degree``."""
-    model = base if base is not None else model_for(degree)
-    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, **config))
-    return model
 
 
 def rank_order_fold(tensors: dict, group) -> dict:
@@ -99,7 +78,7 @@ def reduce_and_check(model, grads: dict, sharded: set, what: str) -> dict:
     """Reduce ``model``'s row-sharded gradients (``grads`` holds their per-rank partials); assert they
     are the rank-order fold of the partials (so the same on every rank); return them."""
     h3_cp.reduce_gradients(model)
-    reduced = {n: _local(p.grad).clone() for n, p in model.named_parameters() if n in sharded}
+    reduced = {n: local(p.grad).clone() for n, p in model.named_parameters() if n in sharded}
     group = h3_cp.context_parallel_config(model)._ulysses_mesh.get_group()
     spec = rank_order_fold({n: grads[n] for n in reduced}, group)
     assert_bitwise_equal(list(reduced.values()), list(spec.values()), what + " folded parameter gradients")
@@ -120,7 +99,7 @@ def check_layout_equals_one_process(ref, model, inputs, rows, sharded, what) -> 
     _, again = forward_backward(model, inputs, rows)
     assert_bitwise_equal([again[n] for n in reduced], [grads[n] for n in reduced], what + " repeated partials")
     h3_cp.reduce_gradients(model)
-    assert_bitwise_equal([_local(p.grad) for n, p in model.named_parameters() if n in reduced],
+    assert_bitwise_equal([local(p.grad) for n, p in model.named_parameters() if n in reduced],
                          list(reduced.values()), what + " repeated folded gradients")
     print(f"{what}: outputs and latent gradients equal one process, folded gradients repeat", flush=True)
     if rows == slice(None):
@@ -151,7 +130,7 @@ def check_ulysses(rank: int, extra=None) -> None:
 
 
 def _all_grads(model) -> dict:
-    return {n: _local(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: local(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def check_ulysses_exact(rank: int) -> None:
@@ -288,7 +267,8 @@ def trace_layout(rank: int, out_dir: str, spec: str, model_degree: str, *runs: s
     torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-SCENARIOS = {"ulysses": check_ulysses, "fsdp_ulysses": check_fsdp_ulysses, "trace": trace_layout}
+SCENARIOS = {"ulysses": check_ulysses, "fsdp_ulysses": check_fsdp_ulysses, "exact_dp": check_exact_data_parallel,
+             "trace": trace_layout}
 
 
 def main() -> None:

@@ -1,0 +1,31 @@
+"""The models, inputs and layouts every ``flowlock check --layout`` rank program shares (tiny H3)."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import ContextParallelConfig
+
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, make_h3, tiny_h3
+
+LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
+BATCH = 2
+FOUR_HEADS = dict(TINY_H3_CONFIG, num_attention_heads=4)
+# S = 24 (a multiple of 2 and 4), 25 (of neither), 3 (fewer rows than 4 ranks: a zero-row shard).
+LAYOUTS = (build_layout(5, 2, 2, 3, 7), build_layout(5, 2, 2, 3, 8), build_layout(1, 1, 1, 1, 1))
+
+
+def model_for(degree: int):
+    """The tiny H3 (2 heads) for degree <= 2, the same with 4 heads for degree 4."""
+    return tiny_h3() if degree <= 2 else make_h3(FOUR_HEADS)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (FSDP2 gradients are DTensors)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def cp_model(degree: int, base=None, **config):
+    """``base`` (default: :func:`model_for`) under diffusers' ``enable_parallelism`` with Ulysses ``degree``."""
+    model = base if base is not None else model_for(degree)
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, **config))
+    return model
