@@ -38,6 +38,7 @@ from flowlock.validate.layout_worker import (
     forward_backward,
     init,
     local,
+    model_for,
     reduce_and_check,
     trace_layout,
 )
@@ -167,6 +168,54 @@ def checkpointed_blocks(ref, rank: int) -> None:
 
 def scenario_ulysses_exact(rank: int) -> None:
     check_ulysses_exact(rank)
+    check_ulysses_exact_lora(rank)
+
+
+def _with_lora(model):
+    """``model`` with a rank-4 peft LoRA on the block linears, factors redrawn from one seed."""
+    from peft import LoraConfig
+
+    from flowlock.models.minimax_h3.lora import is_peft_lora
+
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"],
+                                 init_lora_weights="gaussian"))
+    gen = torch.Generator().manual_seed(11)
+    for module in model.modules():
+        if is_peft_lora(module):
+            for factor in (module.lora_A["default"], module.lora_B["default"]):
+                factor.weight.data = (torch.randn(factor.weight.shape, generator=gen) * 0.1).to(torch.bfloat16)
+    return model
+
+
+def check_ulysses_exact_lora(rank: int) -> None:
+    """LoRA factors in the sharded region under exact parameter gradients: outputs, latent gradients
+    and every factor's gradient bitwise one process's (the base weights are frozen by add_adapter)."""
+    n = dist.get_world_size()
+    ref, model = _with_lora(model_for(n)), cp_model(n, base=_with_lora(model_for(n)))
+    h3_cp.exact_parameter_gradients(model)
+    with flowlock.patch(ref), flowlock.patch(model):
+        for layout in LAYOUTS[1:]:
+            what = f"Ulysses {n} exact with LoRA, S={layout.seq_len}, rank {rank}"
+            inputs = tiny_inputs(BATCH, seed=1, layout=layout)
+            expected, ref_grads = forward_backward(ref, inputs)
+            with flowlock.mode("strict") as frame:
+                got, grads = forward_backward(model, inputs)
+            assert frame.fallbacks == [], frame.fallbacks
+            assert_bitwise_equal(got, expected, what + " outputs and latent gradients")
+            names = sorted(ref_grads)
+            assert names == sorted(grads) and all("lora_" in k for k in names) and names, names
+            assert_bitwise_equal([grads[k] for k in names], [ref_grads[k] for k in names], what + " LoRA gradients")
+            print(f"{what}: all {len(names)} LoRA factor gradients equal one process", flush=True)
+        h3_cp.exact_parameter_gradients(model, False)
+        inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+        _, ref_grads = forward_backward(ref, inputs)
+        _, grads = forward_backward(model, inputs)
+        h3_cp.reduce_gradients(model)
+        folded = {n: local(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        differ = [k for k in ref_grads if not torch.equal(folded[k], ref_grads[k])]
+        assert differ, "the default fold gave one process's LoRA gradients: the check cannot tell them apart"
+        print(f"rank {rank}: the default fold differs from one process in {len(differ)} LoRA factor gradients",
+              flush=True)
 
 
 def _exact_op_cases(seq: int):

@@ -38,6 +38,9 @@ def test_exact_parameter_gradients_equal_one_process(world):
         assert f"Ulysses {world} exact, S=25, checkpointed, rank" in out
         assert "the default fold differs from one process in" in out
         assert "an audit fallback under exact parameter gradients refused" in out
+        for seq in (25, 3):
+            assert f"Ulysses {world} exact with LoRA, S={seq}, rank" in out and "LoRA factor gradients equal" in out
+        assert "the default fold differs from one process in" in out and "LoRA factor gradients" in out
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -10,6 +10,8 @@ peft's ``lora_bias`` (a bias on B, added before the scaling as peft does) is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -56,13 +58,16 @@ def lora_unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
-def strict_lora_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def strict_lora_linear(module: nn.Module, x: torch.Tensor, gemm: Callable[..., torch.Tensor] = linear
+                       ) -> torch.Tensor:
     """The peft LoRA ``Linear`` forward on flowlock ``linear``: ``(..., K) -> (..., N)``.
 
-    Call only when :func:`lora_unsupported_reason` returned None.
+    ``gemm(x, weight, bias=None)`` computes each of the three GEMMs (default flowlock ``linear``; the
+    exact Ulysses path passes its all-rows weight-gradient wrapper). Call only when
+    :func:`lora_unsupported_reason` returned None.
     """
     base = module.base_layer
-    result = linear(x, compute_param(base, "weight"), compute_param(base, "bias"))
+    result = gemm(x, compute_param(base, "weight"), compute_param(base, "bias"))
     if module.merged or getattr(module, "disable_adapters", False):
         return result
     out_dtype = result.dtype
@@ -71,6 +76,6 @@ def strict_lora_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         a_weight = compute_param(a, "weight")
         if casts_lora_input(module):
             x = x.to(a_weight.dtype)
-        delta = linear(linear(x, a_weight), compute_param(b, "weight"), compute_param(b, "bias"))
+        delta = gemm(gemm(x, a_weight), compute_param(b, "weight"), compute_param(b, "bias"))
         result = result + delta * module.scaling[name]
     return result.to(out_dtype)

@@ -267,10 +267,8 @@ class Run:
             return module(x)
         if module_class(module) is nn.Linear:
             return _linear(x, compute_param(module, "weight"), compute_param(module, "bias"), exact)
-        if exact is not None:
-            raise StrictModeError(f"{self.name(module)}: exact parameter gradients under Ulysses serve plain "
-                                  f"nn.Linear layers; {type(module).__name__} (a LoRA layer) is not served yet")
-        return strict_lora_linear(module, x)
+        # a LoRA layer's base, A and B GEMMs each take their weights' gradients from all rows under exact
+        return strict_lora_linear(module, x, lambda rows, weight, bias=None: _linear(rows, weight, bias, exact))
 
     def rms_norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.runs_own(module):
