@@ -123,10 +123,13 @@ for _dt in ("bf16", "fp16", "fp32"):
     register("swiglu", _dt, "any", _cfg(4, BLOCK=64, note="interpreter-sized"))
     register("swiglu", _dt, "sm90", _cfg(4, BLOCK=1024, note="elementwise, memory-bound; fp16/fp32 reuse bf16's"))
 for _dt in ("bf16", "fp16", "fp32"):
-    register("qk_norm_rope_fwd", _dt, "any", _cfg(4, note="one (token, head) row per program"))
-    register("qk_norm_rope_bwd", _dt, "any", _cfg(4, TILE_ROWS=32, note="dweight partials over 32-row tiles"))
-    register("qk_norm_rope_bwd", _dt, "sm90", _cfg(4, TILE_ROWS=256, note="256 rows per program: 8x fewer "
-                                                                         "partials; fp16/fp32 reuse the bf16 size"))
+    register("qk_norm_rope_fwd", _dt, "any", _cfg(4, BLOCK_ROWS=4, note="interpreter-sized; ragged last block"))
+    register("qk_norm_rope_fwd", _dt, "sm90", _cfg(4, BLOCK_ROWS=16, note="16 (token, head) rows per program"))
+    register("qk_norm_rope_bwd", _dt, "any", _cfg(4, TILE_ROWS=32, SUB_ROWS=8, note="dweight partials over 32-row "
+                                                                                   "tiles, 8 rows at a time"))
+    register("qk_norm_rope_bwd", _dt, "sm90", _cfg(4, TILE_ROWS=64, SUB_ROWS=16,
+                                                   note="64-row tiles (S = 925 fills the GPU), 16 rows at a time; "
+                                                        "fp16/fp32 reuse the bf16 size"))
 
 # rows (gather_rows / scatter_rows): pure copies; BLOCK_H by design (bandwidth-bound), not yet timed on an H200.
 for _dt in ("fp32", "bf16", "fp16"):
@@ -214,8 +217,10 @@ for _dt in ("bf16", "fp16", "fp32"):
                                                  note="H200 sweep: 54 us vs 88 us for 64x128 at N=6H" + _new))
     register("adaln_proj_bwd_act", _dt, "any", _cfg(4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=32, CHUNK_N=80,
                                                     note="interpreter-sized; several N chunks, ragged last"))
-    register("adaln_proj_bwd_act", _dt, "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=4096,
-                                                     note="24 fixed N chunks x 42 K tiles at H3 dims" + _new))
+    register("adaln_proj_bwd_act", _dt, "sm90", _cfg(4, 3, BLOCK_T=16, BLOCK_N=64, BLOCK_K=128, CHUNK_N=4096,
+                                                     note="24 fixed N chunks x 21 K tiles at H3 dims; H200 sweep "
+                                                          "(bf16, split product): 195 us at T=2, 255 us for 64x64, "
+                                                          "684 us for the true-fp32 product" + _new))
     register("adaln_proj_bwd_weight", _dt, "any", _cfg(4, BLOCK_N=32, BLOCK_K=16, note="interpreter-sized"))
     register("adaln_proj_bwd_weight", _dt, "sm90", _cfg(4, 1, BLOCK_N=64, BLOCK_K=128,
                                                         note="dW written once; T rows streamed per tile" + _new))

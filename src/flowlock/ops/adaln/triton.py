@@ -9,6 +9,8 @@ forward streams the weight once for up to 16 T rows; every output element is acc
 over K in the same ascending tile order whatever T is, so a row's bits never depend on the other
 rows. The backward never rounds the FP32 table gradient: ``d_act`` reduces over N through fixed
 ``CHUNK_N`` partials (each a Kahan-compensated sum of its BLOCK_N tiles) folded in ascending order,
+a tile's product for bf16 weights on tensor cores from an exact three-part bf16 split of the fp32
+gradient (compiled; interpreted, and for fp16 / fp32 weights, the true-fp32 product),
 and ``dW``/``db`` sum the T rows in ascending order before one rounding to the weight's dtype. The
 row gather's backward is in :mod:`flowlock.ops.adaln.table_grad`.
 """
@@ -70,7 +72,7 @@ def _adaln_table_fwd_kernel(act_ptr, w_ptr, b_ptr, out_ptr, T, N, E,
 @triton.jit(do_not_specialize=["T"])
 def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            CHUNK_N: tl.constexpr):
+                            CHUNK_N: tl.constexpr, SPLIT: tl.constexpr):
     # Partial d_act over one fixed CHUNK_N slice of the N reduction: part[c, t, k].
     pid_c = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -88,9 +90,21 @@ def _adaln_table_bwd_kernel(g_ptr, w_ptr, part_ptr, T, N, E,
                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * E + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        # g is FP32 whatever the weight's dtype, so this is a true-fp32 dot: folded with a Kahan step
-        # (a plain += would be combined into one FMA chain over the chunk, see flowlock.ops._dot).
-        acc, comp = add_compensated(acc, comp, dot_f32(g, to_f32(w)))
+        if SPLIT:
+            # bf16 weights on tensor cores: g = hi + mid + lo in three bf16 parts (each the rounding of
+            # what the previous parts left, so the split is exact to ~2^-24 |g|); every product of a
+            # part and a bf16 weight is exact in the fp32 accumulator.
+            hi = g.to(tl.bfloat16)
+            rest = g - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            part = tl.dot(lo, w, tl.dot(mid, w, tl.dot(hi, w, out_dtype=tl.float32)))
+        else:
+            # g is FP32 whatever the weight's dtype, so this is a true-fp32 dot (a plain += would be
+            # combined into one FMA chain over the chunk, see flowlock.ops._dot).
+            part = dot_f32(g, to_f32(w))
+        # Tiles fold in with a Kahan step, ascending.
+        acc, comp = add_compensated(acc, comp, part)
     base = pid_c.to(tl.int64) * T * E
     tl.store(part_ptr + base + offs_t[:, None] * E + offs_k[None, :], acc,
              mask=mask_t[:, None] & mask_k[None, :])
@@ -227,9 +241,12 @@ def adaln_table_bwd(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor, w
         chunks = cdiv(n, cfg["CHUNK_N"])
         partials = torch.empty((chunks, t, e), dtype=torch.float32, device=grad.device)
         grid = (chunks, cdiv(t, cfg["BLOCK_T"]), cdiv(e, cfg["BLOCK_K"]))
+        # The interpreter keeps the BLAS-free fp32 product (flowlock.ops._dot): a host BLAS would sum it.
+        split = weight.dtype == torch.bfloat16 and not interpreter_active()
         _adaln_table_bwd_kernel[grid](grad, weight, partials, t, n, e,
                                       BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                                      CHUNK_N=cfg["CHUNK_N"], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                      CHUNK_N=cfg["CHUNK_N"], SPLIT=split, num_warps=cfg.num_warps,
+                                      num_stages=cfg.num_stages)
         d_temb = torch.empty((t, e), dtype=torch.float32, device=grad.device)
         fold_block = 256
         _adaln_table_bwd_fold_kernel[(cdiv(t * e, fold_block),)](partials, temb, d_temb, t * e, chunks,
