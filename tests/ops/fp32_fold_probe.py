@@ -1,7 +1,7 @@
 """Compile flowlock's true-fp32 GEMM kernels (and the AdaLN table's d_act, whose FP32 gradient
 multiplies bf16 weights in fp32) for sm90 on this machine (no GPU: Triton's own
-pipeline up to TTGIR) and print, as JSON, each kernel's ``tt.dot`` ops and whether each one's
-accumulator operand is a zero constant.
+pipeline up to TTGIR) and print, as JSON, each kernel's ``tt.dot`` ops: result, accumulator operand
+and whether that is a zero constant.
 
 A dot with a zero accumulator means the kernel's compensated block fold survived Triton's combine
 pass (which rewrites ``acc + tl.dot(a, b)`` into ``tl.dot(a, b, acc)``). The ``control`` kernel
@@ -50,9 +50,9 @@ def _dots(text: str) -> list[dict]:
     zeros = set(re.findall(r"(%[\w.]+) = arith\.constant dense<0\.000000e\+00>", text))
     found = []
     for line in text.splitlines():
-        m = re.search(r"= tt\.dot (%[\w.]+), (%[\w.]+), (%[\w.]+)", line)
+        m = re.search(r"(%[\w.]+) = tt\.dot (%[\w.]+), (%[\w.]+), (%[\w.]+)", line)
         if m:
-            found.append({"acc": m.group(3), "zero_acc": m.group(3) in zeros})
+            found.append({"out": m.group(1), "acc": m.group(4), "zero_acc": m.group(4) in zeros})
     return found
 
 
@@ -74,7 +74,12 @@ def main() -> None:
                                  dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, UPCAST=False)),
              "adaln_table_bwd": (adaln_kernels._adaln_table_bwd_kernel,
                                  {"g_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "N": "i32",
-                                  "E": "i32"}, dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=512))}
+                                  "E": "i32"}, dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=512, SPLIT=False)),
+             # bf16 weights: the three split parts chain into one tile product, which then folds compensated
+             "adaln_table_bwd_split": (adaln_kernels._adaln_table_bwd_kernel,
+                                       {"g_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
+                                        "N": "i32", "E": "i32"},
+                                       dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=512, SPLIT=True))}
     for units, flat in ((0, False), (1024, False), (1024, True)):
         cases[f"linear_tma_unit{units}{'_flat' if flat else ''}"] = (
             linear_kernels._linear_gemm_tma_kernel, tma_sig,
