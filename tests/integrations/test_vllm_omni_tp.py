@@ -8,7 +8,8 @@ its diffusers weights sharded by vLLM-Omni's ``load_weights``, and installed str
 three packed requests) are compared with ``torch.equal`` against TP = 1 and against diffusers +
 flowlock. The same comparison catches a planted stock row-parallel linear (partial GEMMs summed by an
 all-reduce). TP = 1 builds no tensor-parallel object and issues no collective. Invalid layouts are
-refused at install, and a rank that raises, dies or stalls ends every rank with an error. Ulysses
+refused at install, and a rank that raises, dies or stalls ends every rank with an error. A trainer's
+peft LoRA synced into vLLM-Omni's own LoRA layers at TP 2 and 4 gives the trainer's bits. Ulysses
 runs in vLLM-Omni's own diffusion groups with its ``_sp_plan`` hooks applied, the token refiner
 replicated.
 """
@@ -34,7 +35,9 @@ HERE = Path(__file__).resolve().parent
 DEGREES = (2, 4, 8)
 ULYSSES = (2, 4)
 FAULT_JOBS = ("failing", "killed", "stuck")
-JOBS = ("tp1", *(f"tp{n}" for n in DEGREES), *(f"sp{n}" for n in ULYSSES), "disagree", *FAULT_JOBS)
+LORA_DEGREES = (2, 4)
+JOBS = ("tp1", *(f"tp{n}" for n in DEGREES), *(f"sp{n}" for n in ULYSSES), *(f"lora{n}" for n in LORA_DEGREES),
+        "disagree", *FAULT_JOBS)
 JOB_DEADLINE_S = 300
 
 
@@ -131,6 +134,19 @@ def test_every_rank_gives_tp1_bits(jobs, degree):
         assert forwards["all_to_all_single"] == 2 * blocks * len(CASES), forwards
         assert {k for k, v in forwards.items() if v} == {"all_to_all_single", "all_gather"}, forwards
         assert not saved["removed_attribute"]
+
+
+@pytest.mark.parametrize("degree", LORA_DEGREES)
+def test_synced_lora_at_tp_gives_the_trainer_bits(jobs, degree):
+    # vLLM-Omni's own LoRA layers at TP = N, the factors sliced by vLLM per rank (lora_B by output rows on
+    # q/k/v and fc1, lora_A by K blocks on out_proj and fc2): every request's rows on every rank equal
+    # the trainer's diffusers + peft strict forward of that request alone
+    ranks = _ranks(jobs, f"lora{degree}")
+    assert len(ranks) == degree
+    for rank, saved in enumerate(ranks):
+        assert saved["lora_layers"] == 4 * (TP_CONFIG["num_layers"] + TP_CONFIG["num_refiner_layers"])
+        assert saved["lora_tp_size"] == [degree]
+        _assert_diffusers_bits(saved, saved, f"LoRA at TP {degree} rank {rank}")
 
 
 @pytest.mark.parametrize("degree", DEGREES)

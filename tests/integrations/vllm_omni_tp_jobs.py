@@ -13,7 +13,8 @@ Jobs: ``trace<N>`` (per-module outputs at TP = N for ``flowlock.validate.layout_
 ``sp<N>`` (Ulysses N as vLLM-Omni serves it: its diffusion groups, ``ulysses_degree`` and
 its ``_sp_plan`` hooks), ``tp<N>i`` (flowlock's Triton kernels, interpreted, one request),
 ``tp<N>`` (the exact run, then a planted naive all-reduce; TP = 1 also records the diffusers
-strict outputs and counts collectives), ``disagree`` (rank 1 has one block fewer), ``failing``,
+strict outputs and counts collectives), ``lora<N>`` (a trainer's peft LoRA synced into vLLM-Omni's
+LoRA layers at TP = N, with the trainer's strict outputs), ``disagree`` (rank 1 has one block fewer), ``failing``,
 ``killed`` and ``stuck`` (rank 1 raises, dies or stalls inside the forward's third K-sharded GEMM).
 """
 
@@ -333,7 +334,50 @@ def job_fault(name: str):
     return run
 
 
+def _lora_trainer():
+    """The diffusers H3 with a peft LoRA as after training (per-module ranks 4 and 8, scale 2), its base
+    weights and its LoRA state dict (as in test_vllm_omni_lora)."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from flowlock.models.minimax_h3.lora import is_peft_lora
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj",
+                                                           "ff.net.2"],
+                        rank_pattern={"ff.net.2": 8}, alpha_pattern={"ff.net.2": 16})
+    diffusers = make_h3(TP_CONFIG, seed=0)
+    base = diffusers.state_dict()
+    diffusers.add_adapter(config)
+    gen = torch.Generator().manual_seed(3)
+    for module in diffusers.modules():
+        if is_peft_lora(module):
+            for factor in (module.lora_A["default"], module.lora_B["default"]):
+                factor.weight.data = (torch.randn(factor.weight.shape, generator=gen) * 0.2).to(torch.bfloat16)
+    return diffusers, base, get_peft_model_state_dict(diffusers), config
+
+
+def job_lora(rank: int, world: int, out: Path) -> None:
+    """The trainer's LoRA synced into vLLM-Omni's own LoRA layers at TP = ``world``
+    (``map_lora_update_to_engine``, ``add_lora_to_engine``: vLLM slices the factors per rank), the
+    strict outputs of every case, and the trainer's (diffusers + peft, strict) per request."""
+    from flowlock.integrations.vllm_omni.lora import add_lora_to_engine, map_lora_update_to_engine
+
+    diffusers, base, tensors, config = _lora_trainer()
+    native = build_native(TP_CONFIG, base)
+    mapped, engine_config = map_lora_update_to_engine(tensors, config.to_dict(), model=native)
+    manager = add_lora_to_engine(native, mapped, engine_config)
+    with install(native):
+        saved = _native_outputs(native)
+    saved.update({f"diffusers.{k}": v for k, v in _diffusers_outputs(diffusers).items()})
+    saved["lora_layers"] = sum(1 for m in native.modules() if type(m).__name__.endswith("WithLoRA"))
+    saved["lora_tp_size"] = sorted({m.tp_size for m in native.modules() if type(m).__name__.endswith("WithLoRA")})
+    del manager
+    torch.save(saved, out / f"rank{rank}.pt")
+
+
 def _job(name: str):
+    if name.startswith("lora"):
+        return int(name[4:]), job_lora
     if name.startswith("trace"):
         return int(name[5:]), job_trace
     if name.startswith("tp") and name.endswith("i"):

@@ -25,7 +25,7 @@ dead or stuck peer) raises :class:`~flowlock.parallel.errors.CollectiveError` on
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,8 @@ class TensorParallel:
         """``(..., n / N)`` output columns of a column-sharded linear -> ``(..., n)`` on every rank."""
         return self.gather_blocks(y, dim=-1)
 
-    def k_sharded_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    def k_sharded_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         rows_epilogue: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                          ) -> torch.Tensor:
         """``x @ W.T + bias`` of a K-sharded linear with the whole K reduced in one GEMM on each row.
 
@@ -95,6 +96,9 @@ class TensorParallel:
                 attention output or the local FFN columns); same ``S`` on every rank.
             weight: ``(n, K / N)``, this rank's K block of ``W`` (the same dtype as ``x``).
             bias: ``(n,)`` or None, the whole bias (added once, inside the GEMM, as at TP = 1).
+            rows_epilogue: ``(whole-K rows (s_r, K), output rows (s_r, n)) -> output rows``, run on this
+                rank's row shard before the rows are gathered: the place for another row-pure term on the
+                same input (a LoRA adapter's ``linear(linear(x, A), B)``, from its gathered ``A``).
 
         Returns ``(S, n)`` in ``x``'s dtype, the same on every rank and bitwise ``linear(x_full, W,
         bias)`` of one process: row ``s`` is computed on the rank owning it (``RowShards`` of ``S``
@@ -115,4 +119,7 @@ class TensorParallel:
         except CollectiveError as err:
             raise CollectiveError(f"tensor-parallel K-sharded linear (all-to-all to whole-K rows): {err}") from err
         full = self.gather_blocks(weight, dim=1)
-        return GatherRows.apply(linear(rows, full, bias), 0, shards, self.group)
+        out = linear(rows, full, bias)
+        if rows_epilogue is not None:
+            out = rows_epilogue(rows, out)
+        return GatherRows.apply(out, 0, shards, self.group)

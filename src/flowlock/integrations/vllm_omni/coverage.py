@@ -3,12 +3,12 @@
 Served: vLLM's unquantized parallel linears at TP = 1, or at the TP degree install() set up
 (:mod:`flowlock.integrations.vllm_omni.tensor_parallel`), with H3's biases (patch, condition, time,
 AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's diffusion LoRA wrappers
-on q/k/v, out, fc1 and fc2 at TP = 1 (:mod:`flowlock.integrations.vllm_omni.lora`), vLLM-Omni's
+on q/k/v, out, fc1 and fc2 at any TP degree (:mod:`flowlock.integrations.vllm_omni.lora`), vLLM-Omni's
 ``RMSNorm``, and dense softmax attention whatever dense backend vLLM-Omni resolved (flowlock
 replaces the backend call, so FLASH_ATTN, cuDNN, SDPA and the others give one answer). Not served,
 each named with its module: a quantized linear, a bias where H3 has none (or none where it has
-one), another layer type, a LoRA wrapper on any other linear (or one with several slots, sharded,
-under TP > 1, or in another dtype), a TP degree other than install()'s, sparse or approximate
+one), another layer type, a LoRA wrapper on any other linear (or one with several slots, fully
+sharded, or in another dtype), a TP degree other than install()'s, sparse or approximate
 attention backends (VSA, Sage, RainFusion, TRT-LLM), VSA gates, quantized KV, ring sequence
 parallelism, a Ulysses degree other than install()'s, Cache-DiT and any vLLM-Omni hook (TeaCache,
 offload; SP hooks other than the ``_sp_plan`` split / gather, which the strict forward never calls),
@@ -62,9 +62,7 @@ def linear_reason(module: nn.Module, biased: bool, lora: bool = False, tp_size: 
         if not lora:
             return (f"{type(module).__name__}: LoRA on this layer is not on the strict path (served: q/k/v, out, "
                     "fc1, fc2 of the blocks)")
-        if tp_size != 1:
-            return f"{type(module).__name__}: LoRA under tensor parallelism (TP = {tp_size}) is not on the strict path"
-        return lora_reason(module) or linear_reason(module.base_layer, biased)
+        return lora_reason(module) or linear_reason(module.base_layer, biased, tp_size=tp_size)
     if type(module) not in LINEAR_CLASSES:
         return f"{type(module).__name__} is not one of vLLM's parallel linears"
     if type(module.quant_method) is not UnquantizedLinearMethod:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -113,8 +113,10 @@ def _check_shapes(module: str, entry: dict) -> None:
     layer = entry["block"].get_submodule(TARGETS[entry["target"]][0])
     layer = getattr(layer, "base_layer", layer)
     attn = entry["block"].attn
-    out = {"attn.to_q": attn.num_heads * attn.head_dim, "attn.to_k": attn.num_kv_heads * attn.head_dim,
-           "attn.to_v": attn.num_kv_heads * attn.head_dim}.get(entry["target"], layer.output_size)
+    # the trainer's whole widths: under TP the engine layer holds this rank's heads (vLLM slices the
+    # factors itself when it loads them); output_size / input_size are vLLM's unsharded sizes
+    heads = attn.total_num_heads * attn.head_dim
+    out = {"attn.to_q": heads, "attn.to_k": heads, "attn.to_v": heads}.get(entry["target"], layer.output_size)
     if a.shape != (a.shape[0], layer.input_size) or b.shape != (out, a.shape[0]) or a.shape[0] < 1:
         raise ValueError(f"LoRA of {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
                          f"engine layer (in {layer.input_size}, out {out}): want (r, {layer.input_size}) / ({out}, r)")
@@ -254,8 +256,6 @@ def lora_reason(module: nn.Module) -> str | None:
     config = getattr(module, "lora_config", None)
     if config is not None and config.fully_sharded_loras:
         return "fully sharded LoRA"
-    if module.tp_size != 1:
-        return f"LoRA under tensor parallel size {module.tp_size} (the strict path serves TP = 1)"
     stacks = (*module.lora_a_stacked, *module.lora_b_stacked)
     if any(t.shape[0] != 1 or t.shape[1] != 1 for t in stacks):
         return "more than one LoRA slot"
@@ -284,22 +284,25 @@ def _factors(stack_a: torch.Tensor, stack_b: torch.Tensor) -> tuple[torch.Tensor
     return memoized_over([stack_a, stack_b], "vllm_omni_lora_factors", read)
 
 
-def add_lora(module: nn.Module, x: torch.Tensor, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def add_lora(module: nn.Module, x: torch.Tensor, outputs: list[torch.Tensor],
+             a_stacks: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The base outputs of a vLLM linear, one per output slice, with its active LoRA slices added.
 
     ``x (T, in)``; ``outputs`` ``[(T, slice_i)]`` in the layer's slice order (q, k, v; gate, up; or
     one). For a LoRA wrapper (checked by :func:`lora_reason`), an active slice with an adapter gets
     ``outputs[i] + linear(linear(x, A_i), B_i)``: the trainer's ``base + linear(linear(x, A), B) * s``
     bits when ``B_i`` holds ``B * s`` for a power-of-two ``s`` (see :func:`map_lora_update_to_engine`).
-    A plain linear returns ``outputs`` unchanged.
+    ``a_stacks``: the whole-K ``lora_A`` buffers of a K-sharded layer under tensor parallelism (its
+    ranks' blocks, gathered), instead of the layer's own. A plain linear returns ``outputs`` unchanged.
     """
     if not is_lora_layer(module):
         return outputs
+    a_stacks = module.lora_a_stacked if a_stacks is None else a_stacks
     # vLLM-Omni's own rule: no mask means every slice is active
     active = getattr(module, "_diffusion_lora_active_slices", None) or (True,) * len(outputs)
     result = list(outputs)
     for i, on in enumerate(active):
-        factors = _factors(module.lora_a_stacked[i], module.lora_b_stacked[i]) if on else None
+        factors = _factors(a_stacks[i], module.lora_b_stacked[i]) if on else None
         if factors is not None:
             a, b = factors
             result[i] = result[i] + linear(linear(x, a), b)

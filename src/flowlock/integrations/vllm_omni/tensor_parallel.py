@@ -11,6 +11,9 @@ them) and replaces every reduction that TP would split (:mod:`flowlock.parallel.
 * K-sharded (vLLM's row-parallel, whose stock forward all-reduces partial sums): ``out_proj`` and
   ``fc2`` of every DiT and refiner block run :meth:`TensorParallel.k_sharded_linear` (all-to-all to
   whole-K rows, the GEMM over the whole K from the gathered weight, all-gather of rows);
+* vLLM-Omni's LoRA layers: column-sharded ones hold the whole ``lora_A`` and this rank's rows of
+  ``lora_B``, so their local columns are TP = 1's; on ``out_proj`` / ``fc2`` ``lora_A`` is K-sharded
+  and is gathered per forward (``r x K``, small), the adapter added on the whole-K rows;
 * the fused ops that need whole weights (``timestep_mlp`` and ``final_adaln_out``) get them gathered
   per forward (63 MB and 58 MB at H3 widths, once per forward, not per block).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flowlock.integrations.vllm_omni.lora import add_lora, is_lora_layer
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.linear import linear
 from flowlock.parallel.tensor_parallel import TensorParallel, check_divisible
@@ -91,8 +95,16 @@ class NativeTensorParallel:
         return self.tp.gather_columns(linear(x, module.weight, module.bias))
 
     def k_sharded_linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """vLLM's row-parallel ``out_proj`` / ``fc2`` (no bias): ``(S, K / N)`` local block -> ``(S, n)``."""
-        return self.tp.k_sharded_linear(x, module.weight)
+        """vLLM's row-parallel ``out_proj`` / ``fc2`` (no bias): ``(S, K / N)`` local block -> ``(S, n)``.
+
+        Wrapped by vLLM-Omni's LoRA layer, whose ``lora_A`` holds this rank's K block (``lora_B`` is
+        whole): ``lora_A``'s blocks are gathered and the adapter runs on the whole-K rows of this rank's
+        row shard, added to the base rows before they are gathered, as :func:`add_lora` at TP = 1."""
+        if not is_lora_layer(module):
+            return self.tp.k_sharded_linear(x, module.weight)
+        whole_a = [self.tp.gather_blocks(a, dim=3) for a in module.lora_a_stacked]
+        return self.tp.k_sharded_linear(x, module.base_layer.weight,
+                                        rows_epilogue=lambda rows, out: add_lora(module, rows, [out], whole_a)[0])
 
     def adaln_table(self, t_emb: torch.Tensor, proj: nn.Module) -> torch.Tensor:
         """A block's ``(3M, 6H)`` FP32 AdaLN table from this rank's ``(18H / N, E)`` rows of the projection."""
