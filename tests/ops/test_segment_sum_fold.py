@@ -38,7 +38,7 @@ def _explicit_two_level(p):
 def test_interpreter_group_is_small_and_sizes_are_frozen_constants():
     assert GROUP == 4
     assert fold_group("sm90") == 32
-    assert launch_config("qk_norm_rope_bwd", torch.bfloat16, "sm90")["TILE_ROWS"] == 256
+    assert launch_config("qk_norm_rope_bwd", torch.bfloat16, "sm90")["TILE_ROWS"] == 64
 
 
 @pytest.mark.parametrize("tiles", [1, GROUP, GROUP + 1, GROUP * GROUP])
