@@ -284,6 +284,42 @@ def scenario_exact_ops(rank: int, backend: str) -> None:
               f"S={seq}, {n} ranks", flush=True)
 
 
+def scenario_tree_reduce_scatter(rank: int, *node_sizes: str) -> None:
+    """The hierarchical tree reduce-scatter for each node size gives the flat one's bits, which are the
+    pairwise tree over rank order of every rank's block (fp32 and bf16 blocks, 37 elements)."""
+    from flowlock.parallel import TreeReduceScatter, tree_sum
+    from flowlock.parallel.exact_fsdp import node_groups
+
+    n = dist.get_world_size()
+    group = dist.group.WORLD
+    hierarchical = {int(size): TreeReduceScatter(node_groups(group, int(size))) for size in node_sizes}
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(100 + rank)
+        mine = (torch.randn(n * 37, generator=gen) * 10.0 ** torch.randint(-4, 5, (n * 37,), generator=gen)).to(dtype)
+        every = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(every, mine)
+        spec = tree_sum([t.view(n, 37)[rank] for t in every]).to(dtype)
+        flat = torch.empty(37, dtype=dtype)
+        TreeReduceScatter()(flat, mine, group)
+        assert_bitwise_equal(flat, spec, f"flat tree reduce-scatter, rank {rank}, {dtype}")
+        running = every[0].view(n, 37)[rank].float().clone()
+        for t in every[1:]:
+            running += t.view(n, 37)[rank].float()
+        assert not torch.equal(running.to(dtype), spec) or dtype == torch.bfloat16 or n < 3, \
+            "a running sum gave the tree's bits: the blocks cannot tell the orders apart"
+        for size, comm in hierarchical.items():
+            out = torch.empty(37, dtype=dtype)
+            comm(out, mine, group)
+            assert_bitwise_equal(out, flat, f"nodes of {size}, rank {rank}, {dtype}")
+    try:
+        node_groups(group, 3)
+        raise AssertionError("a node size of 3 was accepted")
+    except ValueError as err:
+        assert "power-of-two node size" in str(err), err
+    print(f"rank {rank}: hierarchical tree reduce-scatter (nodes of {', '.join(node_sizes)}) equals the flat tree "
+          f"over {n} ranks", flush=True)
+
+
 def scenario_fsdp_ulysses(rank: int) -> None:
     mesh = check_fsdp_ulysses(rank)
     across = cp_model(2, mesh=mesh)

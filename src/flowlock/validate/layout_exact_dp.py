@@ -9,7 +9,8 @@ rank ``r`` on samples ``r, r + N, ...``. Checked, every parameter gradient ``tor
 one-process fp32 tree sum:
 
 * 2 ranks: FSDP2 DP 2, two micro-batches per rank (``B = 4``);
-* 4 ranks: FSDP2 DP 4 (``B = 8``), and DP 2 x Ulysses 2 with exact parameter gradients (``B = 4``);
+* 4 ranks: FSDP2 DP 4 (``B = 8``), flat and as two nodes of 2 ranks (the hierarchical tree), and
+  DP 2 x Ulysses 2 with exact parameter gradients (``B = 4``);
   FSDP2's own reduction (the backend's reduce-scatter, sum, FSDP2's ``+=`` over micro-batches) on
   the same DP 4 step differs from one process, so the check can tell them apart; an HSDP mesh is refused.
 """
@@ -103,6 +104,11 @@ def check_exact_data_parallel(rank: int) -> None:
     check_equal(data_parallel_step(model, inputs, rank, n, exact=True), expected[n * MICRO_BATCHES_PER_RANK],
                 f"FSDP2 DP {n} exact, {MICRO_BATCHES_PER_RANK} micro-batches per rank, rank {rank}")
     if n == 4:
+        nodes = model_for(1)
+        fsdp_with_fp32_masters(nodes, init_device_mesh("cpu", (n,), mesh_dim_names=("dp",)))
+        exact_data_parallel(nodes, node_size=2)
+        check_equal(data_parallel_step(nodes, inputs, rank, n, exact=True), expected[8],
+                    f"FSDP2 DP 4 exact, nodes of 2 (within, then across), rank {rank}")
         check_dp2_ulysses2(rank, inputs, expected[4])
         check_backend_reduction_differs(rank, inputs, expected[8])
         check_hsdp_refused(rank)
