@@ -19,7 +19,9 @@ def gate_residual_reference(residual: torch.Tensor, gate: torch.Tensor, y: torch
     values is cast exactly first); the gather's backward is a deterministic fp64 segment sum."""
     h = y.shape[-1]
     gate_rows = gather_rows_reference(gate, _per_row(y, index)).to(residual.dtype)
-    return (residual.reshape(-1, h) + gate_rows * y.reshape(-1, h)).reshape(residual.shape)
+    # the sum is formed in residual's shape, so the result is a tensor of its own, not a view (FSDP2 warns
+    # on a unit returning a view: an in-place op on it would drop the unit's pre-backward hook)
+    return residual + (gate_rows * y.reshape(-1, h)).reshape(residual.shape)
 
 
 def gate_residual_golden(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor,

@@ -42,8 +42,8 @@ def modulate_reference(n: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
     rows, per_row = _rows(n, index)
     dt = n.dtype
     one_plus = (1.0 + gather_rows_reference(scale, per_row)).to(dt)
-    out = rows * one_plus + gather_rows_reference(shift, per_row).to(dt)
-    return out.reshape(n.shape)
+    # the sum is formed in n's shape: a tensor of its own, not a view (see gate_residual_reference)
+    return (rows * one_plus).reshape(n.shape) + gather_rows_reference(shift, per_row).to(dt).reshape(n.shape)
 
 
 def rms_norm_modulate_reference(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
