@@ -42,12 +42,13 @@ def sample_backward(model, inputs: dict, i: int) -> None:
     out = model(**batch)
     gen = torch.Generator().manual_seed(1000 + i)
     outs = [out.sample, out.audio_sample]
-    torch.autograd.backward(outs, [torch.randn(t.shape, generator=gen).to(t.dtype) for t in outs])
+    torch.autograd.backward(outs, [torch.randn(t.shape, generator=gen).to(t.device, t.dtype) for t in outs])
 
 
-def one_process_trees(inputs: dict, counts: tuple[int, ...]) -> dict[int, dict[str, torch.Tensor]]:
-    """{B: {name: the fp32 tree sum of samples 0 .. B-1's gradients}} from one process."""
-    ref = model_for(1)
+def one_process_trees(inputs: dict, counts: tuple[int, ...], ref=None) -> dict[int, dict[str, torch.Tensor]]:
+    """{B: {name: the fp32 tree sum of samples 0 .. B-1's gradients}} from one process (``ref``: the
+    model, default the tiny H3)."""
+    ref = model_for(1) if ref is None else ref
     tree = MicroBatchGradients(ref.parameters())
     names = [n for n, p in ref.named_parameters() if p.requires_grad]
     totals = {}
