@@ -35,16 +35,7 @@ import flowlock
 from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, layout_for_length, make_h3, tiny_inputs
 from flowlock.parallel import MicroBatchGradients, exact_data_parallel
 from flowlock.testing import mismatch_count
-from flowlock.validate.layout_exact_dp import fsdp_with_fp32_masters, one_process_trees, sample_backward
-
-
-def step(model, inputs: dict, rank: int, world: int, micro: int, tree: MicroBatchGradients | None) -> None:
-    for k in range(micro):
-        sample_backward(model, inputs, k * world + rank)
-        if tree is not None:
-            tree.add()
-    if tree is not None:
-        tree.write_()
+from flowlock.validate.layout_exact_dp import fsdp_with_fp32_masters, micro_batch_step, one_process_trees
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
@@ -108,7 +99,7 @@ def main() -> None:
 
         def run(model=model, tree=tree):
             model.zero_grad(set_to_none=True)
-            step(model, inputs, rank, world, args.micro_batches, tree)
+            micro_batch_step(model, inputs, rank, world, args.micro_batches, tree)
 
         with flowlock.patch(model) if variant != "stock" else contextlib.nullcontext(), flowlock.mode("strict"):
             run()

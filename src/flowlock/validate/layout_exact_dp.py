@@ -73,16 +73,23 @@ def fsdp_with_fp32_masters(model, dp_mesh) -> None:
     fully_shard(model, mesh=dp_mesh, mp_policy=BF16_COMPUTE)
 
 
+def micro_batch_step(model, inputs: dict, dp_rank: int, dp: int, micro_batches: int,
+                     tree: MicroBatchGradients | None) -> None:
+    """This rank's ``micro_batches`` samples ``k * dp + dp_rank``, one backward each, folded by ``tree``
+    (written after the last) or, without one, left to FSDP2's own accumulation."""
+    for k in range(micro_batches):
+        sample_backward(model, inputs, k * dp + dp_rank)
+        if tree is not None:
+            tree.add()
+    if tree is not None:
+        tree.write_()
+
+
 def data_parallel_step(model, inputs: dict, dp_rank: int, dp: int, exact: bool) -> dict[str, torch.Tensor]:
     """This rank's micro-batches ``k * dp + dp_rank``; {name: full fp32 gradient} after the step."""
     tree = MicroBatchGradients(model.parameters(), data_parallel_size=dp) if exact else None
     with flowlock.patch(model), flowlock.mode("strict"):
-        for k in range(MICRO_BATCHES_PER_RANK):
-            sample_backward(model, inputs, k * dp + dp_rank)
-            if tree is not None:
-                tree.add()
-    if tree is not None:
-        tree.write_()
+        micro_batch_step(model, inputs, dp_rank, dp, MICRO_BATCHES_PER_RANK, tree)
     return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
 
 
