@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from flowlock.integrations.vllm_omni.lora import add_lora, is_lora_layer
+from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.linear import linear
 from flowlock.parallel.tensor_parallel import TensorParallel, check_divisible
@@ -102,7 +103,10 @@ class NativeTensorParallel:
         row shard, added to the base rows before they are gathered, as :func:`add_lora` at TP = 1."""
         if not is_lora_layer(module):
             return self.tp.k_sharded_linear(x, module.weight)
-        whole_a = [self.tp.gather_blocks(a, dim=3) for a in module.lora_a_stacked]
+        # Held while the adapter's buffers are unchanged, so its factors (and their rank, read on the host)
+        # are too. Every rank reuses or regathers together: vLLM writes the buffers on all ranks at once.
+        whole_a = [memoized_over([a, b], "tp_whole_lora_a", lambda a=a: self.tp.gather_blocks(a, dim=3))
+                   for a, b in zip(module.lora_a_stacked, module.lora_b_stacked)]
         return self.tp.k_sharded_linear(x, module.base_layer.weight,
                                         rows_epilogue=lambda rows, out: add_lora(module, rows, [out], whole_a)[0])
 
