@@ -316,6 +316,13 @@ def scenario_tree_reduce_scatter(rank: int, *node_sizes: str) -> None:
         raise AssertionError("a node size of 3 was accepted")
     except ValueError as err:
         assert "power-of-two node size" in str(err), err
+    half = dist.new_group(list(range(n // 2)))
+    if rank < n // 2:
+        try:
+            node_groups(half, 1)
+            raise AssertionError("a data-parallel group of half the job was accepted")
+        except ValueError as err:
+            assert "span the job" in str(err), err
     print(f"rank {rank}: hierarchical tree reduce-scatter (nodes of {', '.join(node_sizes)}) equals the flat tree "
           f"over {n} ranks", flush=True)
 

@@ -82,11 +82,16 @@ def node_groups(group: dist.ProcessGroup, node_size: int) -> tuple[dist.ProcessG
     """``(node group, rail group)`` of this rank for ``group`` split into nodes of ``node_size``
     consecutive ranks: its node's ranks, and the ranks of every node with its local index. Every rank of
     ``group`` must call it (it creates all of both families, in one global order). Refused: a node size
-    that is not a power of two or does not divide the group."""
+    that is not a power of two or does not divide the group, and a group that is not the whole job
+    (every rank creates every group in one order, which a job of several data-parallel groups, e.g.
+    beside Ulysses, would have to enumerate across all of them)."""
     n = group.size()
     if node_size < 1 or node_size & (node_size - 1) or n % node_size:
         raise ValueError(f"a hierarchical tree needs a power-of-two node size that divides the group: "
                          f"{node_size} ranks per node, {n} ranks")
+    if n != dist.get_world_size():
+        raise ValueError(f"a hierarchical tree needs the data-parallel group to span the job: {n} of "
+                         f"{dist.get_world_size()} ranks")
     ranks = [dist.get_global_rank(group, r) for r in range(n)]
     nodes = [ranks[m:m + node_size] for m in range(0, n, node_size)]
     rails = [ranks[local::node_size] for local in range(node_size)]
