@@ -67,12 +67,18 @@ def _kernel_prefix(name: str) -> str:
 
 def breakdown(model, inputs: dict, cots, mode: str, device: torch.device, top: int = 25) -> list[dict]:
     """Device time (ms) of one forward+backward, grouped by kernel-name prefix, largest first."""
+    model.zero_grad(set_to_none=True)
+    return kernel_times(lambda: _fwd_bwd(model, inputs, cots, mode), device, top)
+
+
+def kernel_times(fn, device: torch.device, top: int = 25) -> list[dict]:
+    """Device time (ms) of one call of ``fn``, grouped by kernel-name prefix, largest first (CPU op
+    time off CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    model.zero_grad(set_to_none=True)
     with profile(activities=activities) as prof:
-        _fwd_bwd(model, inputs, cots, mode)
+        fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
     groups: dict[str, float] = defaultdict(float)

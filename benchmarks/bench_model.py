@@ -20,7 +20,8 @@ called once first (compilation and kernel builds, timed as ``first_call_s``), th
 ``harness.time_rounds``: warm-up rounds, then ``--iters`` rounds of one call per variant with the
 first variant rotating, CUDA events; median, min and max. Peak allocated memory per variant over
 its timed calls. At S in ``--breakdown-seq`` (default 925 and 16384) one profiled step per variant
-gives the GPU time per kernel group (``torch.profiler``). A variant that raises (a compile error,
+gives the GPU time per kernel group (``torch.profiler``) and one more its host time per Python function
+(``cProfile``, ``harness.host_profile``): where a step's wall time exceeds its GPU time. A variant that raises (a compile error,
 out of memory) is recorded with its error and left out of the rest of that S.
 
 Run: ``python benchmarks/bench_model.py --out benchmarks/results/model.json [--seq 925 4253]
@@ -254,10 +255,18 @@ class ModelBench:
             row = make_row(seq, m, layout, per_variant)
             if profile and m == "step":
                 row["breakdown"] = {v: self._breakdown(v, inputs, cots) for v in args.variants if v not in self.failed}
+                row["host"] = {v: self._host(v, calls[m]) for v in args.variants if v not in self.failed}
             model.zero_grad(set_to_none=True)
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
         return rows
+
+    def _host(self, variant: str, call) -> dict:
+        self._setup(variant)()
+        try:
+            return harness.host_profile(call, self.device)
+        except Exception as err:  # a profiler failure loses this record, not the timed rows
+            return {"error": _error(err)}
 
     def _breakdown(self, variant: str, inputs: dict, cots) -> dict:
         self._setup(variant)()

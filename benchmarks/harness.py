@@ -14,9 +14,11 @@ rounds instead (:func:`time_rounds`): the median, minimum and maximum of a few r
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -171,6 +173,30 @@ def _rounds(fns: dict, setups: dict, timer: _Timer, warmup: int, rounds: int,
             if it >= warmup and after is not None:
                 after(name)
     return out
+
+
+def host_profile(fn: Callable[[], object], device: torch.device, top: int = 30) -> dict:
+    """Where one call of ``fn`` spends host time: ``cProfile`` over the call and a device synchronize,
+    returning its wall time (profiled, so slower than an unprofiled call) and the ``top`` functions by
+    own time and by cumulative time (``file:line(function)``, calls, ms). The device time of the same
+    call comes from the kernel breakdown; the difference between the two is host-bound time."""
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.disable()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    stats = pstats.Stats(profiler).stats
+
+    def rows(key: int) -> list[dict]:
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][key])[:top]
+        return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls, "own_ms": own * 1e3,
+                 "cumulative_ms": cum * 1e3} for (file, line, name), (_, calls, own, cum, _) in ranked]
+
+    return {"profiled_wall_ms": wall_ms, "calls": sum(v[1] for v in stats.values()),
+            "by_own_time": rows(2), "by_cumulative_time": rows(3)}
 
 
 def test_gate(pytest_args: Sequence[str], *, skip: bool = False) -> dict:

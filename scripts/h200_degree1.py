@@ -59,6 +59,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "src")]
 
+import bench_block  # noqa: E402
 import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -272,6 +273,9 @@ def train_variants(args, device, base, config, report: dict) -> dict:
         if plain and "median_ms" in timing:
             variants[name]["step_over_plain"] = timing["median_ms"] / plain
     report["train"]["attribution"] = attribution(timings)
+    for name, step in steps.items():
+        variants[name]["profile"] = profile_step(step, device)
+    report["train"]["gpu_attribution"] = gpu_attribution(variants)
     for step in steps.values():
         step.setup()
     for h in handles:
@@ -288,6 +292,40 @@ def attribution(timings: dict) -> dict:
 
     return {"fsdp1_over_plain": ratio("fsdp1", "plain"), "stock_fsdp1_over_stock": ratio("stock_fsdp1", "stock"),
             "ulysses1_over_plain": ratio("ulysses1", "plain"), "plain_over_stock": ratio("plain", "stock")}
+
+
+def profile_step(step: Step, device: torch.device) -> dict:
+    """One more step of a variant, profiled twice: its GPU time per kernel group (``torch.profiler``)
+    and its host time per Python function (``cProfile``), so a degree-1 cost can be told apart as
+    device work (copies, casts) or host work (hooks)."""
+    try:
+        step.setup()
+        kernels = bench_block.kernel_times(step, device, top=sys.maxsize)
+        step.setup()
+        host = harness.host_profile(step, device, top=15)
+    except Exception as err:  # a profiler failure loses this record, not the timings
+        return {"error": _error(err)}
+    return {"gpu_ms": sum(k["ms"] for k in kernels), "kernels": kernels, "host": host}
+
+
+def gpu_attribution(variants: dict) -> dict:
+    """GPU time of each wrapped variant over its unwrapped model, and the kernel groups the wrapper adds
+    or grows (ms more than unwrapped), strict and stock side by side."""
+    def gpu(name):
+        return variants.get(name, {}).get("profile", {}).get("gpu_ms")
+
+    def added(wrapped, plain):
+        a = {k["kernel"]: k["ms"] for k in variants.get(wrapped, {}).get("profile", {}).get("kernels", [])}
+        b = {k["kernel"]: k["ms"] for k in variants.get(plain, {}).get("profile", {}).get("kernels", [])}
+        grown = {k: round(ms - b.get(k, 0.0), 3) for k, ms in a.items() if ms - b.get(k, 0.0) > 0.05}
+        return dict(sorted(grown.items(), key=lambda kv: -kv[1]))
+
+    out = {}
+    for wrapped, plain in (("fsdp1", "plain"), ("stock_fsdp1", "stock"), ("ulysses1", "plain")):
+        if gpu(wrapped) is not None and gpu(plain) is not None:
+            out[f"{wrapped}_minus_{plain}_gpu_ms"] = gpu(wrapped) - gpu(plain)
+            out[f"{wrapped}_adds"] = added(wrapped, plain)
+    return out
 
 
 class _CountCollectives:

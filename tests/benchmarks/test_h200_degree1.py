@@ -43,6 +43,13 @@ def test_tiny_run_every_degree1_path_gives_plain_strict_bits(tmp_path):
     attribution = report["train"]["attribution"]
     assert set(attribution) == {"fsdp1_over_plain", "stock_fsdp1_over_stock", "ulysses1_over_plain",
                                 "plain_over_stock"} and all(r > 0 for r in attribution.values()), attribution
+    for name, v in variants.items():
+        profile = v["profile"]
+        assert profile["gpu_ms"] > 0 and profile["kernels"] and profile["host"]["by_own_time"], (name, profile)
+    gpu = report["train"]["gpu_attribution"]
+    assert gpu["fsdp1_minus_plain_gpu_ms"] == (variants["fsdp1"]["profile"]["gpu_ms"]
+                                               - variants["plain"]["profile"]["gpu_ms"])
+    assert {"stock_fsdp1_adds", "ulysses1_adds"} <= set(gpu)
     assert variants["plain"]["collectives_in_step"] == {}
     for name in ("ulysses1", "fsdp1_ulysses1"):
         assert "must be greater than 1" in variants[name]["diffusers_refused"]
