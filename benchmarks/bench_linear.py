@@ -36,7 +36,9 @@ BF16 = torch.bfloat16
 def _extra(parser):
     parser.add_argument("--quick", action="store_true", help="sweep two shapes (one per K class) only")
     parser.add_argument("--sweep-only", nargs="*", default=None, help="sweep just these shapes")
-    parser.add_argument("--sweep", action="store_true", help="time candidate configs at M=16384")
+    parser.add_argument("--sweep", action="store_true", help="time candidate configs (at --sweep-m)")
+    parser.add_argument("--sweep-m", type=int, nargs="+", default=None,
+                        help="token counts M of the sweep (default: the benchmark's M values)")
     parser.add_argument("--sweep-ops", nargs="*", default=["linear_fwd", "linear_dx", "linear_dw"],
                         help="sweep just these ops")
     parser.add_argument("--sweep-only-run", action="store_true",
@@ -292,7 +294,8 @@ def main(argv=None) -> None:
         if args.sweep:
             names = args.sweep_only or (("qkv", "fc2") if args.quick else tuple(shapes))
             sweep_shapes = {k: shapes[k] for k in names}
-            _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, ms, t_end, args.sweep_ops), args.out)
+            _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, args.sweep_m or ms, t_end,
+                                                                 args.sweep_ops), args.out)
 
 
 if __name__ == "__main__":

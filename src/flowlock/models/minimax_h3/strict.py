@@ -55,6 +55,7 @@ from flowlock.models.minimax_h3.hooks import compute_param, leaf_hook_reason
 from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
 from flowlock.models.minimax_h3.structure import module_class, validate_structure
 from flowlock.modes import StrictModeError, fallback_or_raise
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
 from flowlock.ops.attention import attention
@@ -84,7 +85,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[to
     return freqs.cos(), freqs.sin()
 
 
-@torch.library.custom_op("flowlock::h3_rope_cos_sin", mutates_args=())
+@kernel_op("flowlock::h3_rope_cos_sin")
 def compiled_rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_cos_sin` as one opaque node for ``torch.compile``: inductor would otherwise generate
     its own cos / sin (and fuse them), which are not eager's bits. Tables need no gradient."""

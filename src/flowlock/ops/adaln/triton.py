@@ -27,6 +27,7 @@ from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._dot import add_compensated, dot_f32
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops.adaln.table_grad import adaln_modulation_bwd
@@ -278,7 +279,7 @@ def adaln_modulation_fwd(projected: torch.Tensor, timestep_indices: torch.Tensor
     return tuple(outs)
 
 
-@torch.library.custom_op("flowlock::adaln_table_fwd", mutates_args=())
+@kernel_op("flowlock::adaln_table_fwd")
 def _adaln_table_fwd_op(act: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The projection as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
     return adaln_table_fwd(act, weight, bias)
@@ -289,7 +290,7 @@ def _(act, weight, bias):
     return act.new_empty((act.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("flowlock::adaln_table_bwd_temb", mutates_args=())
+@kernel_op("flowlock::adaln_table_bwd_temb")
 def _adaln_table_bwd_temb_op(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor,
                              weight: torch.Tensor) -> torch.Tensor:
     """``d_temb`` of the projection (see :func:`adaln_table_bwd`)."""
@@ -301,7 +302,7 @@ def _(grad, temb, act, weight):
     return temb.new_empty(temb.shape)
 
 
-@torch.library.custom_op("flowlock::adaln_table_bwd_params", mutates_args=())
+@kernel_op("flowlock::adaln_table_bwd_params")
 def _adaln_table_bwd_params_op(grad: torch.Tensor, temb: torch.Tensor, act: torch.Tensor,
                                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dW, db)`` of the projection (see :func:`adaln_table_bwd`)."""
@@ -314,7 +315,7 @@ def _(grad, temb, act, weight):
     return weight.new_empty(weight.shape), weight.new_empty((weight.shape[0],))
 
 
-@torch.library.custom_op("flowlock::adaln_modulation_fwd", mutates_args=())
+@kernel_op("flowlock::adaln_modulation_fwd")
 def _adaln_modulation_fwd_op(projected: torch.Tensor, timestep_indices: torch.Tensor,
                              token_tags: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
     """The six-way row gather from the ``(T, 18H)`` projection output as one opaque op."""
@@ -327,7 +328,7 @@ def _(projected, timestep_indices, token_tags, dtype):
     return [projected.new_empty(shape, dtype=dtype) for _ in range(6)]
 
 
-@torch.library.custom_op("flowlock::adaln_modulation_bwd", mutates_args=())
+@kernel_op("flowlock::adaln_modulation_bwd")
 def _adaln_modulation_bwd_op(grads: list[torch.Tensor], timestep_indices: torch.Tensor, token_tags: torch.Tensor,
                              num_rows: int) -> torch.Tensor:
     """The segmented sum of the six row gradients as one opaque op."""

@@ -48,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flowlock.config import LaunchConfig, launch_config
 from flowlock.keys import arch_of
 from flowlock.ops._dot import dot_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops.attention.reference import LOG2E
@@ -450,7 +451,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dk, dv
 
 
-@torch.library.custom_op("flowlock::attention_fwd", mutates_args=())
+@kernel_op("flowlock::attention_fwd")
 def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
@@ -463,7 +464,7 @@ def _(q, k, v, scale):
     return q.new_empty((batch, seq, heads, dim)), q.new_empty((batch, heads, seq), dtype=torch.float32)
 
 
-@torch.library.custom_op("flowlock::attention_bwd", mutates_args=())
+@kernel_op("flowlock::attention_bwd")
 def _attention_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse2: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward as one opaque op (see :func:`attention_bwd`)."""

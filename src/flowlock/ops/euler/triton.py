@@ -15,6 +15,7 @@ import triton.language as tl
 
 from flowlock.config import config_for
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 
@@ -105,7 +106,7 @@ def euler_step_bwd(grad: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tens
     return gx, gv
 
 
-@torch.library.custom_op("flowlock::euler_step_fwd", mutates_args=())
+@kernel_op("flowlock::euler_step_fwd")
 def _euler_step_fwd_op(sample: torch.Tensor, velocity: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
                        sigma_next: torch.Tensor) -> torch.Tensor:
     """The step as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
@@ -117,7 +118,7 @@ def _(sample, velocity, timestep, sigma, sigma_next):
     return sample.new_empty(sample.shape)
 
 
-@torch.library.custom_op("flowlock::euler_step_bwd", mutates_args=())
+@kernel_op("flowlock::euler_step_bwd")
 def _euler_step_bwd_op(grad: torch.Tensor, timestep: torch.Tensor, sigma: torch.Tensor,
                        sigma_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d sample, d velocity)`` (see :func:`euler_step_bwd`)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.adaln.triton import projection, projection_vjp
 from flowlock.ops.rms_norm.triton import rms_norm_bwd, rms_norm_fwd
@@ -26,7 +27,7 @@ def _norm_bwd(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd
     return dx, d_norm_weight.to(norm_weight.dtype), torch.cat([d_shift, d_scale], dim=1)
 
 
-@torch.library.custom_op("flowlock::final_adaln_norm_fwd", mutates_args=())
+@kernel_op("flowlock::final_adaln_norm_fwd")
 def _final_adaln_norm_fwd_op(x: torch.Tensor, norm_weight: torch.Tensor, table: torch.Tensor,
                              timestep_indices: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)``: the norm modulated by ``table = [shift | scale]`` ``(T, 2H)`` FP32, one opaque op."""
@@ -38,7 +39,7 @@ def _(x, norm_weight, table, timestep_indices, eps):
     return x.new_empty(x.shape), x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
 
 
-@torch.library.custom_op("flowlock::final_adaln_norm_bwd", mutates_args=())
+@kernel_op("flowlock::final_adaln_norm_bwd")
 def _final_adaln_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, rstd: torch.Tensor,
                              table: torch.Tensor, timestep_indices: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

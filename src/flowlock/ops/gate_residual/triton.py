@@ -16,6 +16,7 @@ import triton.language as tl
 
 from flowlock.config import config_for, config_on
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.segment_sum.fold import fold_partials
@@ -125,7 +126,7 @@ def gate_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, i
     return dy, fold_partials(partials)
 
 
-@torch.library.custom_op("flowlock::gate_residual_fwd", mutates_args=())
+@kernel_op("flowlock::gate_residual_fwd")
 def _gate_residual_fwd_op(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
                           ) -> torch.Tensor:
     """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
@@ -137,7 +138,7 @@ def _(residual, gate, y, index):
     return residual.new_empty(residual.shape)
 
 
-@torch.library.custom_op("flowlock::gate_residual_bwd", mutates_args=())
+@kernel_op("flowlock::gate_residual_bwd")
 def _gate_residual_bwd_op(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d_y, d_gate in gate.dtype)``."""

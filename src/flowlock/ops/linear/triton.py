@@ -41,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flowlock.config import LaunchConfig, config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._dot import add_compensated, dot_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 
@@ -397,7 +398,7 @@ def linear_dbias(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
     return out
 
 
-@torch.library.custom_op("flowlock::linear_fwd", mutates_args=())
+@kernel_op("flowlock::linear_fwd")
 def _linear_fwd_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    out_dtype: torch.dtype) -> torch.Tensor:
     """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch. It looks
@@ -410,7 +411,7 @@ def _(x2d, weight, bias, out_dtype):
     return x2d.new_empty((x2d.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("flowlock::linear_bwd_dx", mutates_args=())
+@kernel_op("flowlock::linear_bwd_dx")
 def _linear_bwd_dx_op(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """dX as one opaque op (see :func:`linear_dx`)."""
     return linear_dx(dy, weight, out_dtype)
@@ -421,7 +422,7 @@ def _(dy, weight, out_dtype):
     return dy.new_empty((dy.shape[0], weight.shape[1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("flowlock::linear_bwd_dw", mutates_args=())
+@kernel_op("flowlock::linear_bwd_dw")
 def _linear_bwd_dw_op(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """dW as one opaque op (see :func:`linear_dw`)."""
@@ -433,7 +434,7 @@ def _(dy, x2d, weight, out_dtype):
     return weight.new_empty(weight.shape, dtype=out_dtype)
 
 
-@torch.library.custom_op("flowlock::linear_bwd_dbias", mutates_args=())
+@kernel_op("flowlock::linear_bwd_dbias")
 def _linear_bwd_dbias_op(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """dBias as one opaque op (see :func:`linear_dbias`)."""
     return linear_dbias(dy, weight, out_dtype)

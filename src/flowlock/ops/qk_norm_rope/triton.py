@@ -21,6 +21,7 @@ import triton.language as tl
 
 from flowlock.config import config_for
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.segment_sum.fold import fold_partials
@@ -150,7 +151,7 @@ def qk_norm_rope_bwd(x, weight, cos, sin, eps, grad) -> tuple[torch.Tensor, torc
     return dx, fold_partials(partials).to(weight.dtype)
 
 
-@torch.library.custom_op("flowlock::qk_norm_rope_fwd", mutates_args=())
+@kernel_op("flowlock::qk_norm_rope_fwd")
 def _qk_norm_rope_fwd_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          eps: float) -> torch.Tensor:
     """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
@@ -162,7 +163,7 @@ def _(x, weight, cos, sin, eps):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("flowlock::qk_norm_rope_bwd", mutates_args=())
+@kernel_op("flowlock::qk_norm_rope_bwd")
 def _qk_norm_rope_bwd_op(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                          grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` as one opaque op (see :func:`qk_norm_rope_bwd`)."""

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from flowlock.config import config_for, config_on
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.segment_sum.fold import fold_partials
@@ -195,7 +196,7 @@ def _rms_norm_fwd_pair(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tup
     return rms_norm_fwd(x, weight, eps)
 
 
-_rms_norm_fwd_op = torch.library.custom_op("flowlock::rms_norm_fwd", _rms_norm_fwd_pair, mutates_args=())
+_rms_norm_fwd_op = kernel_op("flowlock::rms_norm_fwd", _rms_norm_fwd_pair)
 
 
 @_rms_norm_fwd_op.register_fake
@@ -210,7 +211,7 @@ def _rms_norm_bwd_pair(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     return dx, dweight.to(weight.dtype)
 
 
-_rms_norm_bwd_op = torch.library.custom_op("flowlock::rms_norm_bwd", _rms_norm_bwd_pair, mutates_args=())
+_rms_norm_bwd_op = kernel_op("flowlock::rms_norm_bwd", _rms_norm_bwd_pair)
 
 
 @_rms_norm_bwd_op.register_fake
@@ -224,8 +225,7 @@ def _rms_norm_modulate_fwd_pair(x: torch.Tensor, weight: torch.Tensor, shift: to
     return rms_norm_fwd(x, weight, eps, shift, scale, index)
 
 
-_rms_norm_modulate_fwd_op = torch.library.custom_op("flowlock::rms_norm_modulate_fwd", _rms_norm_modulate_fwd_pair,
-                          mutates_args=())
+_rms_norm_modulate_fwd_op = kernel_op("flowlock::rms_norm_modulate_fwd", _rms_norm_modulate_fwd_pair)
 
 
 @_rms_norm_modulate_fwd_op.register_fake
@@ -241,8 +241,7 @@ def _rms_norm_modulate_bwd_packed(dy: torch.Tensor, x: torch.Tensor, weight: tor
     return _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
 
 
-_rms_norm_modulate_bwd_op = torch.library.custom_op("flowlock::rms_norm_modulate_bwd", _rms_norm_modulate_bwd_packed,
-                          mutates_args=())
+_rms_norm_modulate_bwd_op = kernel_op("flowlock::rms_norm_modulate_bwd", _rms_norm_modulate_bwd_packed)
 
 
 @_rms_norm_modulate_bwd_op.register_fake

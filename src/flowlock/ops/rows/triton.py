@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from flowlock.config import config_for
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import memoized_over
@@ -106,7 +107,7 @@ def scatter_rows_fwd(parts: list[torch.Tensor], indices: list[torch.Tensor], seq
     return out
 
 
-@torch.library.custom_op("flowlock::gather_rows_fwd", mutates_args=())
+@kernel_op("flowlock::gather_rows_fwd")
 def _gather_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The gather as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
     return gather_rows_fwd(x, index)
@@ -117,7 +118,7 @@ def _(x, index):
     return x.new_empty((x.shape[0], index.shape[0], x.shape[2]))
 
 
-@torch.library.custom_op("flowlock::scatter_rows_fwd", mutates_args=())
+@kernel_op("flowlock::scatter_rows_fwd")
 def _scatter_rows_op(parts: list[torch.Tensor], indices: list[torch.Tensor], seq_len: int) -> torch.Tensor:
     """The scatter (all parts, zero gaps) as one opaque op."""
     return scatter_rows_fwd(parts, indices, seq_len)

@@ -17,6 +17,7 @@ from triton.language.extra.cuda import libdevice
 from flowlock.config import config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 
@@ -92,7 +93,7 @@ def swiglu_bwd(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return dh
 
 
-@torch.library.custom_op("flowlock::swiglu_fwd", mutates_args=())
+@kernel_op("flowlock::swiglu_fwd")
 def _swiglu_fwd_op(h: torch.Tensor) -> torch.Tensor:
     """The forward as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
     return swiglu_fwd(h)
@@ -103,7 +104,7 @@ def _(h):
     return h.new_empty(h.shape[:-1] + (h.shape[-1] // 2,))
 
 
-@torch.library.custom_op("flowlock::swiglu_bwd", mutates_args=())
+@kernel_op("flowlock::swiglu_bwd")
 def _swiglu_bwd_op(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The gradient to ``h`` as one opaque op (see :func:`swiglu_bwd`)."""
     return swiglu_bwd(h, grad)

@@ -28,6 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevic
 
 from flowlock.config import config_for, config_on
 from flowlock.dispatch import interpreter_active
+from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import PreparedLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops.timestep.reference import CHANNELS, sinusoid_freqs
@@ -273,7 +274,7 @@ def timestep_sinusoid_bwd(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return dt
 
 
-@torch.library.custom_op("flowlock::timestep_sinusoid_fwd", mutates_args=())
+@kernel_op("flowlock::timestep_sinusoid_fwd")
 def _timestep_sinusoid_fwd_op(t: torch.Tensor, channels: int) -> torch.Tensor:
     """The sinusoid as one opaque op, so torch.compile and CUDA graphs replay the same launch."""
     return timestep_sinusoid_fwd(t, channels)
@@ -284,7 +285,7 @@ def _(t, channels):
     return t.new_empty((t.shape[0], channels))
 
 
-@torch.library.custom_op("flowlock::timestep_sinusoid_bwd", mutates_args=())
+@kernel_op("flowlock::timestep_sinusoid_bwd")
 def _timestep_sinusoid_bwd_op(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``d t`` (see :func:`timestep_sinusoid_bwd`)."""
     return timestep_sinusoid_bwd(t, grad)
@@ -397,7 +398,7 @@ def timestep_mlp_bwd(grad, x, w1, w2, h, act, needs_dx: bool = True):
     return dx, dw1, db1, dw2, db2
 
 
-@torch.library.custom_op("flowlock::timestep_mlp_fwd", mutates_args=())
+@kernel_op("flowlock::timestep_mlp_fwd")
 def _timestep_mlp_fwd_op(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
                          b2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, h, act)`` of both layers as one opaque op (see :func:`timestep_mlp_fwd`)."""
@@ -410,7 +411,7 @@ def _(x, w1, b1, w2, b2):
     return x.new_empty((x.shape[0], w2.shape[0])), x.new_empty(hidden), x.new_empty(hidden)
 
 
-@torch.library.custom_op("flowlock::timestep_mlp_bwd", mutates_args=())
+@kernel_op("flowlock::timestep_mlp_bwd")
 def _timestep_mlp_bwd_op(grad: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
                          act: torch.Tensor, needs_dx: bool) -> list[torch.Tensor]:
     """``[dx, dw1, db1, dw2, db2]``, without ``dx`` when ``needs_dx`` is false (an op cannot return
