@@ -71,3 +71,45 @@ def test_the_check_sees_an_upward_import(tmp_path):
     planted.parent.mkdir(parents=True)
     planted.write_text("def f():\n    from flowlock.models.minimax_h3 import tiny_h3\n")
     assert _upward_imports(tmp_path / "flowlock") == ["flowlock/rl/planted.py:2 flowlock.rl -> flowlock.models"]
+
+
+# torch.distributed calls that move data between ranks, and the DTensor methods that issue them
+COLLECTIVES = {"all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+               "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
+               "reduce", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier"}
+DTENSOR_COLLECTIVES = {"full_tensor", "redistribute"}
+
+
+def _is_distributed(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "dist") or (
+        isinstance(node, ast.Attribute) and node.attr == "distributed")
+
+
+def _collectives_outside_parallel(src: pathlib.Path = SRC) -> list[str]:
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        if path.relative_to(src).parts[0] == "parallel":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            attr = node.func.attr
+            if (attr in COLLECTIVES and _is_distributed(node.func.value)) or attr in DTENSOR_COLLECTIVES:
+                found.append(f"{path.relative_to(src.parent)}:{node.lineno} {attr}")
+    return found
+
+
+def test_collectives_are_issued_in_parallel_only():
+    assert _collectives_outside_parallel() == []
+
+
+def test_the_check_sees_a_collective_outside_parallel(tmp_path):
+    planted = tmp_path / "flowlock" / "validate" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("import torch.distributed as dist\n\ndef f(t, g):\n    dist.all_reduce(t)\n"
+                       "    torch.distributed.barrier()\n    return g.full_tensor()\n")
+    (tmp_path / "flowlock" / "parallel").mkdir()
+    (tmp_path / "flowlock" / "parallel" / "ok.py").write_text("import torch.distributed as dist\ndist.all_reduce(1)\n")
+    assert _collectives_outside_parallel(tmp_path / "flowlock") == [
+        "flowlock/validate/planted.py:4 all_reduce", "flowlock/validate/planted.py:5 barrier",
+        "flowlock/validate/planted.py:6 full_tensor"]

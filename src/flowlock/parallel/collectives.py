@@ -56,6 +56,22 @@ def all_gather_rows(x: torch.Tensor, dim: int, shards: RowShards, group: dist.Pr
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, shards.sizes)], dim=dim)
 
 
+def gather_from_ranks(t: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's ``t`` (one shape and dtype on every rank of ``group``), in rank order."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    with collective("all-gather", group):
+        dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on every rank (its mesh's all-gather); a plain tensor as it is."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    with collective("DTensor all-gather", t.device_mesh.get_group()):
+        return t.full_tensor()
+
+
 def own_rows(x: torch.Tensor, dim: int, shards: RowShards) -> torch.Tensor:
     start, end = shards.bounds()
     return x.narrow(dim, start, end - start).contiguous()

@@ -26,6 +26,7 @@ import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 from flowlock.models.minimax_h3 import tiny_inputs
 from flowlock.parallel import MicroBatchGradients, exact_data_parallel
+from flowlock.parallel.collectives import full_tensor
 from flowlock.testing import assert_bitwise_equal
 from flowlock.validate.layout_models import LATENTS, LAYOUTS, cp_model, model_for
 
@@ -90,7 +91,7 @@ def data_parallel_step(model, inputs: dict, dp_rank: int, dp: int, exact: bool) 
     tree = MicroBatchGradients(model.parameters(), data_parallel_size=dp) if exact else None
     with flowlock.patch(model), flowlock.mode("strict"):
         micro_batch_step(model, inputs, dp_rank, dp, MICRO_BATCHES_PER_RANK, tree)
-    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
 
 def check_equal(got: dict, expected: dict, what: str) -> None:

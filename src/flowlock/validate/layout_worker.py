@@ -31,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 from flowlock.models.minimax_h3 import tiny_inputs
+from flowlock.parallel.collectives import gather_from_ranks
 from flowlock.testing import assert_bitwise_equal
 from flowlock.validate.layout_exact_dp import check_exact_data_parallel
 from flowlock.validate.layout_models import BATCH, LATENTS, LAYOUTS, cp_model, local, model_for
@@ -65,8 +66,7 @@ def rank_order_fold(tensors: dict, group) -> dict:
     """The fold contract, written out: all ranks' values, summed left in rank order in fp32, rounded once."""
     folded = {}
     for name, t in tensors.items():
-        parts = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, t.contiguous(), group=group)
+        parts = gather_from_ranks(t, group)
         acc = parts[0].float().clone()
         for part in parts[1:]:
             acc += part.float()
