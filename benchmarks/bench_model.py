@@ -21,8 +21,8 @@ called once first (compilation and kernel builds, timed as ``first_call_s``), th
 first variant rotating, CUDA events; median, min and max. Peak allocated memory per variant over
 its timed calls. At S in ``--breakdown-seq`` (default 925 and 16384) one profiled step per variant
 gives the GPU time per kernel group (``torch.profiler``) and one more its host time per Python function
-(``cProfile``, ``harness.host_profile``): where a step's wall time exceeds its GPU time. A variant that raises (a compile error,
-out of memory) is recorded with its error and left out of the rest of that S.
+(``cProfile``, ``harness.host_profile``): where a step's wall time exceeds its GPU time. A variant that
+raises (a compile error, out of memory) is recorded with its error and left out of the rest of that S.
 
 Run: ``python benchmarks/bench_model.py --out benchmarks/results/model.json [--seq 925 4253]
 [--measures forward,step] [--variants strict_eager,stock_compiled]``; ``--smoke`` runs the tiny H3
