@@ -6,7 +6,9 @@ Each rank builds the same seeded full-width H3 twice (one plain, one under diffu
 ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``), both under ``flowlock.patch``, runs
 forward and backward with the same cotangents, and counts mismatching elements (``torch.equal``
 semantics) of the outputs and latent gradients; it also times both forward+backward passes (CUDA
-events, median of ``--repeats`` after one warm-up). Rank 0 writes the JSON report. N must divide 56.
+events, median of ``--repeats`` after one warm-up), then the same two models unpatched (stock
+diffusers Ulysses and one GPU; stock's uneven-S backward is recorded as the error it raises). Rank 0
+writes the JSON report. N must divide 56.
 """
 
 from __future__ import annotations
@@ -75,12 +77,22 @@ def main() -> None:
         mismatches = {n: mismatch_count(g, e) for n, g, e in zip(names, got, expected)}
         one_gpu_ms = timed(lambda: forward_backward(ref, inputs), args.repeats)
         ulysses_ms = timed(lambda: forward_backward(model, inputs), args.repeats)
+    record = {"rank": rank, "mismatches": mismatches, "one_gpu_ms": one_gpu_ms, "ulysses_ms": ulysses_ms}
+    # stock diffusers, the same two models unpatched: its own Ulysses (uneven S has no backward in
+    # diffusers 0.42, recorded as the error it raises) against its own single GPU
+    try:
+        stock = forward_backward(model, inputs)
+        record["stock_mismatches_vs_one_gpu_strict"] = {n: mismatch_count(g, e)
+                                                        for n, g, e in zip(names, stock, expected)}
+        record["stock_ulysses_ms"] = timed(lambda: forward_backward(model, inputs), args.repeats)
+    except Exception as err:  # recorded: the stock path's limits are part of the evidence
+        record["stock_ulysses_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    record["stock_one_gpu_ms"] = timed(lambda: forward_backward(ref, inputs), args.repeats)
     every = [None] * world
-    dist.all_gather_object(every, {"rank": rank, "mismatches": mismatches, "one_gpu_ms": one_gpu_ms,
-                                   "ulysses_ms": ulysses_ms})
+    dist.all_gather_object(every, record)
     if rank == 0:
         report = {"degree": world, "layers": args.layers, "seq": args.seq, "gpu": torch.cuda.get_device_name(),
-                  "torch": torch.__version__, "ranks": every,
+                  "commit": os.environ.get("FLOWLOCK_COMMIT"), "torch": torch.__version__, "ranks": every,
                   "bitwise_equal": all(not any(r["mismatches"].values()) for r in every)}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
