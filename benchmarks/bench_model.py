@@ -135,9 +135,10 @@ class Paths:
             module._compiled_call_impl = impl if compiled else None
 
 
-def compile_blocks(model, fullgraph: bool, backend: str) -> dict:
-    """diffusers' regional compile; returns each compiled block's call implementation."""
-    model.compile_repeated_blocks(fullgraph=fullgraph, backend=backend)
+def compile_blocks(model, fullgraph: bool, backend: str, mode: str | None = None) -> dict:
+    """diffusers' regional compile (``mode``: torch.compile's, e.g. ``reduce-overhead`` for CUDA graphs);
+    returns each compiled block's call implementation."""
+    model.compile_repeated_blocks(fullgraph=fullgraph, backend=backend, **({"mode": mode} if mode else {}))
     return {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
 
 
@@ -351,6 +352,8 @@ def _extra(parser) -> None:
                         help="compile_repeated_blocks(fullgraph=...) (default on)")
     parser.add_argument("--compile-backend", default=None,
                         help="torch.compile backend (default inductor; eager with --smoke, which checks the plumbing)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode of the regional compile (default none; reduce-overhead: CUDA graphs)")
     parser.add_argument("--recompile-limit", type=int, default=RECOMPILE_LIMIT,
                         help=f"torch._dynamo.config.recompile_limit (default {RECOMPILE_LIMIT})")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="join these result JSONs into --out")
@@ -381,7 +384,7 @@ def main(argv=None) -> int:
     compiled = {}
     if compiling:
         torch._dynamo.config.recompile_limit = args.recompile_limit
-        compiled = compile_blocks(model, args.fullgraph, backend)
+        compiled = compile_blocks(model, args.fullgraph, backend, args.compile_mode)
     paths = Paths(model, handle, compiled)
     bench = ModelBench(model, paths, config, text_rows, args, device)
     build_s = time.perf_counter() - t0
@@ -394,6 +397,7 @@ def main(argv=None) -> int:
                             "rounds": args.iters, "warmup_rounds": args.warmup, "breakdown_seq": sorted(profiled),
                             "gradient_checkpointing": True, "batch": 1,
                             "compile": {"api": "compile_repeated_blocks", "fullgraph": args.fullgraph,
+                                        "mode": args.compile_mode,
                                         "backend": backend, "recompile_limit": args.recompile_limit}},
                "method": "one model instance; strict = flowlock.patch, stock = the patch detached; compiled = "
                          "compile_repeated_blocks, dynamo reset per S; step = forward + backward, no optimizer; "
