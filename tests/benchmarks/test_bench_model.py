@@ -72,7 +72,7 @@ def test_paths_switch_strict_and_stock_on_one_model():
     assert strict[0].shape == stock[0].shape
 
 
-def _failing_compile(model, fullgraph, backend):
+def _failing_compile(model, fullgraph, backend, mode=None):
     def fail(*args, **kwargs):
         raise RuntimeError("recompile_limit reached with fullgraph=True (test)")
     return {m: fail for m in model.modules() if type(m).__name__ in model._repeated_blocks}
