@@ -192,8 +192,34 @@ def plot_model(payload: dict, path: Path) -> Path:
     return _save(fig, path, 120)
 
 
+def plot_tp_designs(payload: dict, path: Path) -> Path:
+    """One panel per K-sharded GEMM: one rank's time under each design against TP, one line per S."""
+    plt = _pyplot()
+    rows = payload["rows"]
+    gemms = list(dict.fromkeys(r["gemm"] for r in rows))
+    fig, axes = plt.subplots(1, len(gemms), figsize=(6 * len(gemms), 4.5), squeeze=False)
+    seqs = sorted({r["S"] for r in rows})
+    for ax, gemm in zip(axes[0], gemms):
+        for j, seq in enumerate(seqs):
+            picked = sorted((r for r in rows if r["gemm"] == gemm and r["S"] == seq), key=lambda r: r["tp"])
+            tps = [r["tp"] for r in picked]
+            for design, style in (("stock", ":"), ("a", "-"), ("b", "--")):
+                ax.plot(tps, [r[f"{design}_ms"] for r in picked], marker="o", linestyle=style, color=f"C{j}",
+                        label=f"S={seq} {design}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(TPS_TICKS, [str(t) for t in TPS_TICKS])
+        ax.set_xlabel("TP")
+        ax.set_ylabel("one rank's GEMM time (ms, median)")
+        ax.set_title(f"{gemm}: stock (dotted), (a) transpose (solid), (b) K units (dashed)", fontsize=8)
+        ax.legend(fontsize=6, ncol=3)
+    fig.suptitle(_title(payload), fontsize=9)
+    return _save(fig, path, 120)
+
+
+TPS_TICKS = (1, 2, 4, 8)
 PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block, "linear": plot_linear,
-            "attention": plot_attention, "model": plot_model}
+            "attention": plot_attention, "model": plot_model, "tp_designs": plot_tp_designs}
 
 
 def _kind(payload: dict) -> str | None:

@@ -101,7 +101,10 @@ def test_plots_are_written(tmp_path):
     block = {"benchmark": "block", "environment": {"gpu": "H200", "git_commit": "abc"}, "results": [
         {"S": s, "forward": {"strict_over_provider": 0.9}, "forward_backward": {"strict_over_provider": 1.1},
          "peak_memory_bytes": {"strict": 2**30, "provider": None}} for s in (40, 64)]}
-    for name, payload in (("cond", cond), ("block", block)):
+    tp = {"benchmark": "tp_designs", "environment": {"gpu": "H200", "git_commit": "abc"}, "rows": [
+        {"S": s, "gemm": g, "tp": t, "stock_ms": 1.0 / t, "a_ms": 1.2 / t, "b_ms": 3.0 / t}
+        for s in (925, 4253) for g in ("out_proj", "fc2") for t in (1, 2, 4, 8)]}
+    for name, payload in (("cond", cond), ("block", block), ("tp", tp)):
         src = harness.write_json(tmp_path / f"{name}.json", payload)
         png = plot.plot(src)
         assert png == tmp_path / f"{name}.png" and png.read_bytes()[:4] == b"\x89PNG"
