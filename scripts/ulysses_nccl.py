@@ -7,8 +7,9 @@ Each rank builds the same seeded full-width H3 twice (one plain, one under diffu
 forward and backward with the same cotangents, and counts mismatching elements (``torch.equal``
 semantics) of the outputs and latent gradients; it also times both forward+backward passes (CUDA
 events, median of ``--repeats`` after one warm-up), then the same two models unpatched (stock
-diffusers Ulysses and one GPU; stock's uneven-S backward is recorded as the error it raises). Rank 0
-writes the JSON report. N must divide 56.
+diffusers Ulysses and one GPU; what stock refuses, such as an uneven S, is recorded as its error). Rank 0
+writes the JSON report. N must divide 56. ``--tiny`` runs the tiny H3 on CPU and gloo (the CPU test,
+``tests/benchmarks/test_ulysses_nccl_script.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
 
 import flowlock
-from flowlock.models.minimax_h3 import full_width_config, layout_for_length, make_h3, tiny_inputs
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, layout_for_length, make_h3, tiny_inputs
 from flowlock.testing import mismatch_count
 
 LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
@@ -44,30 +46,45 @@ def timed(fn, repeats):
     fn()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         dist.barrier()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=4097)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="ulysses_nccl.json")
-    args = parser.parse_args()
-    dist.init_process_group("nccl")
+    parser.add_argument("--tiny", action="store_true", help="the tiny H3 on CPU and gloo (the script's CPU test)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        # diffusers' enable_parallelism places rank r on device r % device_count(): none on a CPU host
+        torch.accelerator.device_count = lambda: 1
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    config = full_width_config(num_layers=args.layers, num_refiner_layers=1)
-    ref = make_h3(config, device=device, draw_on_device=True)
-    model = make_h3(config, device=device, draw_on_device=True)
+    if args.tiny:
+        device = torch.device("cpu")
+        config = TINY_H3_CONFIG
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        config = full_width_config(num_layers=args.layers, num_refiner_layers=1)
+    ref = make_h3(config, device=device, draw_on_device=not args.tiny)
+    model = make_h3(config, device=device, draw_on_device=not args.tiny)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     inputs = tiny_inputs(1, config=config, layout=layout_for_length(args.seq), device=device)
     with flowlock.patch(ref), flowlock.patch(model):
@@ -78,8 +95,8 @@ def main() -> None:
         one_gpu_ms = timed(lambda: forward_backward(ref, inputs), args.repeats)
         ulysses_ms = timed(lambda: forward_backward(model, inputs), args.repeats)
     record = {"rank": rank, "mismatches": mismatches, "one_gpu_ms": one_gpu_ms, "ulysses_ms": ulysses_ms}
-    # stock diffusers, the same two models unpatched: its own Ulysses (uneven S has no backward in
-    # diffusers 0.42, recorded as the error it raises) against its own single GPU
+    # stock diffusers, the same two models unpatched: its own Ulysses (which refuses an S the degree does
+    # not divide; recorded as its error) against its own single GPU
     try:
         stock = forward_backward(model, inputs)
         record["stock_mismatches_vs_one_gpu_strict"] = {n: mismatch_count(g, e)
@@ -91,7 +108,8 @@ def main() -> None:
     every = [None] * world
     dist.all_gather_object(every, record)
     if rank == 0:
-        report = {"degree": world, "layers": args.layers, "seq": args.seq, "gpu": torch.cuda.get_device_name(),
+        report = {"degree": world, "layers": config["num_layers"], "seq": args.seq,
+                  "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
                   "commit": os.environ.get("FLOWLOCK_COMMIT"), "torch": torch.__version__, "ranks": every,
                   "bitwise_equal": all(not any(r["mismatches"].values()) for r in every)}
         with open(args.out, "w") as f:
