@@ -144,6 +144,21 @@ def time_rounds(fns: dict[str, Callable[[object], object]], *, device: torch.dev
     return {name: r if "error" in r else {**_spread(r["samples_ms"]), **r} for name, r in timed.items()}
 
 
+def median_ms(fn: Callable[[], object], *, device: torch.device, repeats: int,
+              before: Callable[[], object] | None = None) -> float:
+    """The median time (ms) of ``repeats`` calls of ``fn()`` after one untimed warm-up call, each timed
+    from an idle device as :func:`time_rounds` times it. ``before()`` runs ahead of every timed call,
+    untimed: a barrier, so that every rank of a job starts the call together."""
+    timer = _Timer(device)
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        samples.append(timer(lambda _: fn(), None))
+    return statistics.median(samples)
+
+
 def _spread(samples_ms: list[float]) -> dict:
     return {"median_ms": statistics.median(samples_ms), "min_ms": min(samples_ms), "max_ms": max(samples_ms),
             "n": len(samples_ms)}

@@ -24,10 +24,13 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import harness  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -36,25 +39,6 @@ from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, layout
 from flowlock.parallel import MicroBatchGradients, exact_data_parallel
 from flowlock.testing import mismatch_count
 from flowlock.validate.layout_exact_dp import fsdp_with_fp32_masters, micro_batch_step, one_process_trees
-
-
-def timed(fn, repeats: int, device: torch.device) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -109,7 +93,8 @@ def main() -> None:
                 differing = {n: mismatch_count(grads[n], expected[n]) for n in sorted(expected)}
                 entry.update(parameters=len(differing), equal=sum(1 for v in differing.values() if v == 0),
                              differing_elements=sum(differing.values()))
-            entry["step_ms"] = timed(run, args.repeats, device)
+            entry["step_ms"] = harness.median_ms(run, device=device, repeats=args.repeats,
+                                                 before=dist.barrier)
         report[variant] = entry
         del model
     if rank == 0:

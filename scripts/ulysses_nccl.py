@@ -17,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import harness  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
 
@@ -40,25 +43,6 @@ def forward_backward(model, inputs, cotangent_seed=5):
     cot = [torch.randn(t.shape, generator=gen).to(device=t.device, dtype=t.dtype) for t in outs]
     torch.autograd.backward(list(outs), cot)
     return (*(t.detach() for t in outs), *(inputs[k].grad for k in LATENTS))
-
-
-def timed(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -87,13 +71,17 @@ def main(argv=None) -> None:
     model = make_h3(config, device=device, draw_on_device=not args.tiny)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     inputs = tiny_inputs(1, config=config, layout=layout_for_length(args.seq), device=device)
+    def timed(net) -> float:
+        return harness.median_ms(lambda: forward_backward(net, inputs), device=device, repeats=args.repeats,
+                                 before=dist.barrier)
+
     with flowlock.patch(ref), flowlock.patch(model):
         expected = forward_backward(ref, inputs)
         got = forward_backward(model, inputs)
         names = ("sample", "audio_sample", *(f"grad:{k}" for k in LATENTS))
         mismatches = {n: mismatch_count(g, e) for n, g, e in zip(names, got, expected)}
-        one_gpu_ms = timed(lambda: forward_backward(ref, inputs), args.repeats)
-        ulysses_ms = timed(lambda: forward_backward(model, inputs), args.repeats)
+        one_gpu_ms = timed(ref)
+        ulysses_ms = timed(model)
     record = {"rank": rank, "mismatches": mismatches, "one_gpu_ms": one_gpu_ms, "ulysses_ms": ulysses_ms}
     # stock diffusers, the same two models unpatched: its own Ulysses (which refuses an S the degree does
     # not divide; recorded as its error) against its own single GPU
@@ -101,10 +89,10 @@ def main(argv=None) -> None:
         stock = forward_backward(model, inputs)
         record["stock_mismatches_vs_one_gpu_strict"] = {n: mismatch_count(g, e)
                                                         for n, g, e in zip(names, stock, expected)}
-        record["stock_ulysses_ms"] = timed(lambda: forward_backward(model, inputs), args.repeats)
+        record["stock_ulysses_ms"] = timed(model)
     except Exception as err:  # recorded: the stock path's limits are part of the evidence
         record["stock_ulysses_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-    record["stock_one_gpu_ms"] = timed(lambda: forward_backward(ref, inputs), args.repeats)
+    record["stock_one_gpu_ms"] = timed(ref)
     every = [None] * world
     dist.all_gather_object(every, record)
     if rank == 0:
