@@ -4,9 +4,9 @@ key, the launch plan and the hit path's arguments are checked without a GPU."""
 import pytest
 import torch
 import triton.language as tl
+from launch_fakes import Compiled, Recorder, cuda_launcher
 from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaLauncher
 from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -18,34 +18,10 @@ def _affine(x, y, n, scale, B: tl.constexpr):
     tl.store(y + offs, tl.load(x + offs, mask=offs < n) * scale, mask=offs < n)
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
-def _cuda_launcher(global_scratch=0, profile_scratch=0, cooperative=False, pdl=True):
-    """A CudaLauncher with its metadata set and its C ``launch`` replaced by a recorder."""
-    launcher = CudaLauncher.__new__(CudaLauncher)
-    launcher.num_ctas = 1
-    launcher.global_scratch_size, launcher.global_scratch_align = global_scratch, 8
-    launcher.profile_scratch_size, launcher.profile_scratch_align = profile_scratch, 8
-    launcher.launch_cooperative_grid, launcher.launch_pdl = cooperative, pdl
-    launcher.launch = _Recorder()
-    return launcher
-
-
-class _Compiled:
-    def __init__(self, run):
-        self.run, self.function, self.packed_metadata = run, 0xF00, (4, 1, 0)
-
-
 @pytest.mark.parametrize("cooperative,pdl", [(False, False), (True, False), (False, True)])
 def test_plan_calls_the_c_launch_exactly_as_the_launcher_call_does(cooperative, pdl):
     x = torch.ones(3)
-    compiled = _Compiled(_cuda_launcher(cooperative=cooperative, pdl=pdl))
+    compiled = Compiled(cuda_launcher(cooperative=cooperative, pdl=pdl))
     compiled.run(5, 2, 1, 77, compiled.function, compiled.packed_metadata, None, None, None, x, 3, 2.0)
     launch, head = launch_plan(compiled)
     assert launch is compiled.run.launch
@@ -56,12 +32,12 @@ def test_plan_calls_the_c_launch_exactly_as_the_launcher_call_does(cooperative, 
 
 @pytest.mark.parametrize("scratch", [dict(global_scratch=64), dict(profile_scratch=64)])
 def test_plan_keeps_the_launcher_call_where_it_allocates_scratch(scratch):
-    compiled = _Compiled(_cuda_launcher(**scratch))
+    compiled = Compiled(cuda_launcher(**scratch))
     assert launch_plan(compiled) == (compiled.run, (0xF00, (4, 1, 0), None, None, None))
 
 
 def test_plan_keeps_the_call_of_a_launcher_of_another_kind():
-    compiled = _Compiled(_Recorder())
+    compiled = Compiled(Recorder())
     launch, head = launch_plan(compiled)
     launch(1, 1, 1, 0, *head, "arg")
     assert compiled.run.calls == [(1, 1, 1, 0, 0xF00, (4, 1, 0), None, None, None, "arg")]
@@ -77,7 +53,7 @@ def fake_cuda(monkeypatch):
     compiles = []
 
     def compile_and_launch(*args, grid, warmup, **kwargs):
-        compiled = _Compiled(_cuda_launcher())
+        compiled = Compiled(cuda_launcher())
         compiles.append((grid, args, kwargs, compiled))
         return compiled
 

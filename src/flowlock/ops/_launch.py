@@ -16,7 +16,10 @@ profiler such as proton), every launch takes Triton's own path.
 
 ``prepared(*args, **kwargs)`` goes one step further for an op whose launches repeat with arguments it
 can vouch for: it hands back the compiled launch itself, which the op calls with new positional
-arguments and no binding, specialization or cache lookup at all.
+arguments and no binding, specialization or cache lookup at all. A kernel whose leading parameters
+are host tensor descriptors is prepared with descriptors and relaunched with tensors in their
+place (:class:`DescriptorLaunch`): each tensor's CUDA tensor map is encoded once per address, not
+rebuilt and re-encoded on every launch.
 """
 
 from __future__ import annotations
@@ -25,10 +28,16 @@ import functools
 from collections.abc import Callable
 
 import torch
+import triton
 from triton import knobs
-from triton.backends.nvidia.driver import CudaLauncher
+from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST, CudaLauncher
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# Encoded tensor maps one descriptor parameter keeps (one per address); past this, it starts afresh.
+# The weights of one layer type across 52 blocks plus its activations fit many times over.
+_MAX_ENCODED = 1024
 
 
 def launch_plan(compiled: object) -> tuple[Callable[..., object], tuple]:
@@ -93,6 +102,10 @@ class FastLaunch:
         prepared launch is valid for new values of ``args`` that Triton specializes the same way
         (tensor dtypes and 16-byte alignment, integer values 1 and divisibility by 16); checking that
         is the caller's job, which is what makes relaunching cheaper than ``self[grid]``.
+
+        Leading :class:`TensorDescriptor` arguments give a :class:`DescriptorLaunch`, which takes in
+        their place tensors of the same dtype, shape and strides (zero padding, as ``from_tensor``
+        makes them), or ``None`` where Triton did not lower them to CUDA tensor maps.
         """
         if self._interpreted or knobs.runtime.launch_enter_hook.calls:
             return None
@@ -104,8 +117,14 @@ class FastLaunch:
         entry = self._compiled.get((device, tuple(specialization), tuple(options.items())))
         if entry is None:
             return None
-        _, launch, head = entry
-        return PreparedLaunch(launch, head, tuple(bound.values())[len(args):])
+        compiled, launch, head = entry
+        tail = tuple(bound.values())[len(args):]
+        descriptors = [a for a in args if isinstance(a, TensorDescriptor)]
+        if not descriptors:
+            return PreparedLaunch(launch, head, tail)
+        if not all(isinstance(a, TensorDescriptor) for a in args[:len(descriptors)]):
+            raise ValueError(f"{self.kernel.fn.__name__}: descriptor arguments must lead the positional ones")
+        return DescriptorLaunch.of(compiled, head, descriptors, tail)
 
 
 class PreparedLaunch:
@@ -120,6 +139,81 @@ class PreparedLaunch:
 
     def __call__(self, grid_x: int, stream: int, *args) -> None:
         self._launch(grid_x, 1, 1, stream, *self._head, *args, *self._tail)
+
+
+class DescriptorLaunch(PreparedLaunch):
+    """A :class:`PreparedLaunch` of a kernel whose first parameters are host tensor descriptors:
+    ``launch(grid_x, stream, *tensors, *args)`` takes a tensor for each descriptor.
+
+    Triton's launch builds a ``TensorDescriptor`` per tensor and encodes its CUDA tensor map on the
+    host every time. A tensor map is a function of the address, shape, strides, dtype, block and
+    swizzle alone, and all but the address are fixed for a prepared launch, so each descriptor
+    parameter keeps the maps it has encoded by address: the weights of a layer are encoded once per
+    run, an activation whenever the allocator hands out a new block. A map never refers to the tensor
+    it was made for, so a freed and reused address maps the new tensor exactly as a fresh encoding.
+    """
+
+    __slots__ = ("_slots",)
+
+    def __init__(self, launch: Callable[..., object], head: tuple, tail: tuple, slots: tuple[_DescriptorSlot, ...]):
+        super().__init__(launch, head, tail)
+        self._slots = slots
+
+    @classmethod
+    def of(cls, compiled: object, head: tuple, descriptors: list[TensorDescriptor], tail: tuple
+           ) -> DescriptorLaunch | None:
+        """The launch of ``compiled`` (whose cached plan head is ``head``) with ``descriptors`` as its
+        leading arguments; ``None`` unless Triton lowered every one to a tensor map and calls the C
+        launch through its own descriptor wrapper."""
+        metas = getattr(compiled.metadata, "tensordesc_meta", None)
+        launch = _c_launch_below_descriptor_wrapper(compiled.run)
+        if launch is None or not metas or len(metas) != len(descriptors) or any(m["fp4_padded"] for m in metas):
+            return None
+        fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+        return cls(launch, head, tail, tuple(_DescriptorSlot(d, m, fill) for d, m in zip(descriptors, metas)))
+
+    def __call__(self, grid_x: int, stream: int, *args) -> None:
+        n = len(self._slots)
+        encoded = [x for slot, t in zip(self._slots, args) for x in slot.encode(t)]
+        self._launch(grid_x, 1, 1, stream, *self._head, *encoded, *args[n:], *self._tail)
+
+
+class _DescriptorSlot:
+    """One descriptor parameter of a :class:`DescriptorLaunch`: the C launch arguments it expands to
+    (tensor map, shape, strides, as Triton's ``make_tensordesc_arg`` makes them), by address."""
+
+    __slots__ = ("_fill", "_fill_args", "_dims", "_encoded")
+
+    def __init__(self, descriptor: TensorDescriptor, meta: dict, fill: Callable[..., object]):
+        shape, strides = [int(d) for d in descriptor.shape], [int(d) for d in descriptor.strides]
+        padding = 1 if descriptor.padding == "nan" else 0
+        self._fill = fill
+        self._fill_args = (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                           meta["block_size"], shape, strides, padding)
+        self._dims = (*shape, *strides)
+        self._encoded: dict[int, tuple] = {}
+
+    def encode(self, tensor: torch.Tensor) -> tuple:
+        address = tensor.data_ptr()
+        args = self._encoded.get(address)
+        if args is None:
+            if len(self._encoded) >= _MAX_ENCODED:
+                self._encoded.clear()
+            args = self._encoded[address] = (self._fill(address, *self._fill_args), *self._dims)
+        return args
+
+
+def _c_launch_below_descriptor_wrapper(run: object) -> Callable[..., object] | None:
+    """The compiled module's C ``launch`` that Triton's ``wrap_handle_tensordesc`` wraps in a
+    scratch-free CUDA launcher, or ``None`` for any other launcher."""
+    if not (isinstance(run, CudaLauncher) and run.global_scratch_size == 0 and run.profile_scratch_size == 0):
+        return None
+    wrapper = run.launch
+    code = getattr(wrapper, "__code__", None)
+    if (getattr(wrapper, "__qualname__", "") != "wrap_handle_tensordesc.<locals>.inner"
+            or "launcher" not in code.co_freevars):
+        return None
+    return wrapper.__closure__[code.co_freevars.index("launcher")].cell_contents
 
 
 def launch_hooked() -> bool:

@@ -42,12 +42,17 @@ from flowlock.config import LaunchConfig, config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._dot import add_compensated, dot_f32
 from flowlock.ops._kernel_op import kernel_op
-from flowlock.ops._launch import fast_launch
+from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import traced
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
 # walks several tiles per program in CPU tests.
 _INTERP_PROGRAMS = 3
+
+# Prepared TMA GEMM launches (see _gemm_tma), past which the table starts afresh: one per linear
+# layer shape, product and token count in use.
+_MAX_TMA_PLANS = 1024
+_TMA_PLANS: dict[tuple, tuple[DescriptorLaunch, int]] = {}
 
 
 @triton.jit
@@ -313,39 +318,73 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
           cfg: LaunchConfig) -> torch.Tensor:
     """Launch ``c = A @ B (+ bias)`` with A stored as ``a`` (transposed when ``a_t``) and B stored
     as ``b`` (transposed when ``b_t``); all 2-D with unit last stride."""
+    if cfg["TMA"]:
+        return _gemm_tma(_tma_ready(a), a_t, _tma_ready(b), b_t, c, bias, cfg)
     i_dim, j_dim = c.shape
     r_dim = a.shape[0] if a_t else a.shape[1]
+    fp32_dot, compensated, soft_bf16 = _arithmetic(a, b, c)
+    bi, bj = cfg["BLOCK_I"], cfg["BLOCK_J"]
+    s_ai, s_ar = (a.stride(1), a.stride(0)) if a_t else (a.stride(0), a.stride(1))
+    s_br, s_bj = (b.stride(1), b.stride(0)) if b_t else (b.stride(0), b.stride(1))
+    _linear_gemm_kernel[((-(-i_dim // bi)) * (-(-j_dim // bj)),)](
+        a, b, bias if bias is not None else c, c, i_dim, j_dim, r_dim,
+        s_ai, s_ar, s_br, s_bj, c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, UNIT=cfg["UNIT"], FP32_DOT=fp32_dot, COMPENSATED=compensated,
+        SOFT_BF16=soft_bf16,
+        BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=cfg["BLOCK_R"], GROUP_I=cfg["GROUP_I"],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return c
+
+
+def _arithmetic(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[bool, bool, bool]:
+    """``(FP32_DOT, COMPENSATED, SOFT_BF16)`` for these operands and this output."""
     interpreted = interpreter_active()
     compensated = a.dtype != b.dtype or a.dtype == torch.float32
-    fp32_dot = interpreted or compensated
-    soft_bf16 = interpreted and c.dtype == torch.bfloat16
-    bi, bj, br, unit = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["UNIT"]
+    return interpreted or compensated, compensated, interpreted and c.dtype == torch.bfloat16
+
+
+def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
+              cfg: LaunchConfig) -> torch.Tensor:
+    """The TMA variant of :func:`_gemm`, operands already TMA-ready.
+
+    On a GPU the first launch of each (config, operand dtypes, shapes, strides, bias) goes through
+    Triton and keeps its prepared launch; later ones relaunch it with the new tensors. The key fixes
+    every value Triton specializes on (the sizes exactly; every pointer is 16-byte aligned but the
+    bias, whose alignment is in the key), so the relaunch runs the kernel Triton would pick, and the
+    persistent grid is the same function of the shapes.
+    """
+    i_dim, j_dim = c.shape
+    r_dim = a.shape[0] if a_t else a.shape[1]
+    bias_arg = bias if bias is not None else c
+    key = None
+    if c.is_cuda:
+        key = (cfg, a_t, b_t, bias is None, a.dtype, b.dtype, c.dtype, bias_arg.dtype, bias_arg.data_ptr() % 16 == 0,
+               a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), torch._C._cuda_getDevice())
+        plan = _TMA_PLANS.get(key)
+        if plan is not None and not launch_hooked():
+            launch, programs = plan
+            launch(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, bias_arg, i_dim, j_dim, r_dim)
+            return c
+    fp32_dot, compensated, soft_bf16 = _arithmetic(a, b, c)
+    bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
-    if cfg["TMA"]:
-        a, b = _tma_ready(a), _tma_ready(b)
-        epi_split, flatten, flat_units = _tma_flags(cfg)
-        a_desc = TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br])
-        b_desc = TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj])
-        c_desc = TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj])
-        programs = _INTERP_PROGRAMS if c.device.type != "cuda" else _num_programs(c.device.index or 0)
-        programs = min(programs, tiles)
-        _linear_gemm_tma_kernel[(programs,)](
-            a_desc, b_desc, c_desc, bias if bias is not None else c, i_dim, j_dim, r_dim,
-            A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, COMPENSATED=compensated,
-            SOFT_BF16=soft_bf16,
-            EPI_SPLIT=epi_split, FLATTEN=flatten, FLAT_UNITS=flat_units,
-            BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        s_ai, s_ar = (a.stride(1), a.stride(0)) if a_t else (a.stride(0), a.stride(1))
-        s_br, s_bj = (b.stride(1), b.stride(0)) if b_t else (b.stride(0), b.stride(1))
-        _linear_gemm_kernel[(tiles,)](
-            a, b, bias if bias is not None else c, c, i_dim, j_dim, r_dim,
-            s_ai, s_ar, s_br, s_bj, c.stride(0), c.stride(1),
-            HAS_BIAS=bias is not None, UNIT=unit, FP32_DOT=fp32_dot, COMPENSATED=compensated,
-            SOFT_BF16=soft_bf16,
-            BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"],
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    epi_split, flatten, flat_units = _tma_flags(cfg)
+    descriptors = (TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br]),
+                   TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj]),
+                   TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj]))
+    programs = min(_num_programs(c.device.index or 0) if c.is_cuda else _INTERP_PROGRAMS, tiles)
+    args = (*descriptors, bias_arg, i_dim, j_dim, r_dim)
+    kwargs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=cfg["UNIT"], FP32_DOT=fp32_dot,
+                  COMPENSATED=compensated, SOFT_BF16=soft_bf16, EPI_SPLIT=epi_split, FLATTEN=flatten,
+                  FLAT_UNITS=flat_units, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"],
+                  NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _linear_gemm_tma_kernel[(programs,)](*args, **kwargs)
+    if key is not None:
+        prepared = _linear_gemm_tma_kernel.prepared(*args, **kwargs)
+        if isinstance(prepared, DescriptorLaunch):
+            if len(_TMA_PLANS) >= _MAX_TMA_PLANS:
+                _TMA_PLANS.clear()
+            _TMA_PLANS[key] = (prepared, programs)
     return c
 
 

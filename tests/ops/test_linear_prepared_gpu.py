@@ -1,0 +1,68 @@
+"""linear's prepared TMA launches on a Hopper GPU: a relaunch (tensor maps encoded once per address)
+gives the bits of Triton's own launch, for new tensors at new addresses too, and is what runs.
+
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_prepared_gpu.py
+"""
+
+import pytest
+import torch
+
+from flowlock.ops.linear import triton as lt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                       reason="needs a Hopper (sm90+) GPU"),
+]
+
+
+def _operands(dtype, bias, seed, m=925, n=1536, k=512, row_stride=640):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # x is a column slice of a wider buffer: a row stride that is not its width.
+    x = torch.randn(m, row_stride, generator=g, device="cuda").to(dtype)[:, :k]
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g, device="cuda").to(dtype) if bias else None
+    dy = torch.randn(m, n, generator=g, device="cuda").to(dtype)
+    return x, w, b, dy
+
+
+def _products(x, w, b, dy):
+    return (lt.linear_fwd(x, w, b, x.dtype), lt.linear_dx(dy, w, x.dtype), lt.linear_dw(dy, x, w, w.dtype))
+
+
+def _through_triton(x, w, b, dy):
+    """Each product through Triton's launch: the plan table is emptied before each."""
+    out = []
+    for product in (lambda: lt.linear_fwd(x, w, b, x.dtype), lambda: lt.linear_dx(dy, w, x.dtype),
+                    lambda: lt.linear_dw(dy, x, w, w.dtype)):
+        lt._TMA_PLANS.clear()
+        out.append(product())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_relaunch_keeps_the_bits_of_tritons_launch(dtype, bias, monkeypatch):
+    first = _operands(dtype, bias, seed=0)
+    expected = _through_triton(*first)
+    assert len(lt._TMA_PLANS) == 1
+    lt._TMA_PLANS.clear()
+    _products(*first)
+    assert len(lt._TMA_PLANS) == 3
+    relaunches = []
+    for key, (launch, programs) in list(lt._TMA_PLANS.items()):
+        def counted(*args, _launch=launch):
+            relaunches.append(args[0])
+            return _launch(*args)
+        lt._TMA_PLANS[key] = (counted, programs)
+    again = _products(*first)
+    # New tensors at new addresses (the old ones still alive), then the old weight with new activations.
+    second = _operands(dtype, bias, seed=1)
+    fresh = _products(*second)
+    mixed = (second[0], first[1], first[2], second[3])
+    reused = _products(*mixed)
+    assert len(relaunches) == 9
+    monkeypatch.setattr(lt, "_TMA_PLANS", {})
+    for got, want in ((again, expected), (fresh, _through_triton(*second)), (reused, _through_triton(*mixed))):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
