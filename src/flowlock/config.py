@@ -79,8 +79,12 @@ for _dt in ("fp32", "bf16", "fp16"):
     register("segment_sum_partials", _dt, "sm90", _cfg(4, TILE_ROWS=64, BLOCK_N=128, note="64x128 tile per program"))
     register("rms_norm_fwd", _dt, "any", _cfg(4, ROWS=16, note="interpreter-sized: few programs"))
     register("rms_norm_fwd", _dt, "sm90", _cfg(16, ROWS=1, note="one row per program; 16 warps hold 8192 cols"))
-    register("rms_norm_bwd", _dt, "any", _cfg(4, TILE_ROWS=64, SUB_ROWS=64, note="whole tile at once"))
-    register("rms_norm_bwd", _dt, "sm90", _cfg(16, TILE_ROWS=64, SUB_ROWS=1, note="rows one by one, 16 warps"))
+    # rms_norm_bwd: num_warps and DX_ROWS are the dx launch's, DW_WARPS, BLOCK_C and SUB_ROWS the dweight one's.
+    register("rms_norm_bwd", _dt, "any", _cfg(4, TILE_ROWS=64, SUB_ROWS=64, DX_ROWS=16, BLOCK_C=32, DW_WARPS=4,
+                                              note="interpreter-sized; dweight over the whole tile at once"))
+    register("rms_norm_bwd", _dt, "sm90", _cfg(16, TILE_ROWS=64, SUB_ROWS=1, DX_ROWS=1, BLOCK_C=512, DW_WARPS=4,
+                                               note="dx: one row per program, 16 warps, as the forward; dweight: "
+                                                    "rows one by one per 512-column block"))
     register("gate_residual", _dt, "any", _cfg(4, ROWS=16, BLOCK_H=64, note="interpreter-sized"))
     register("gate_residual", _dt, "sm90", _cfg(4, ROWS=1, BLOCK_H=1024, note="elementwise, memory-bound"))
 # fold_partials: GROUP (tiles per program per level) is part of the reduction order; "any" keeps it small so

@@ -37,8 +37,8 @@ def test_no_graph_output_equals_graph_output(lead, s, h):
 
 
 def _separate_launches(dy, x, weight, rstd, shift, scale, index):
-    """The modulated backward as it ran before: the norm kernel's own (tiles, H) dweight partials and
-    fold, then one segment sum per table gradient (each its own partials launch and fold)."""
+    """The modulated backward as it ran before: the norm's own (tiles, H) dweight partials and fold,
+    then one segment sum per table gradient (each its own partials launch and fold)."""
     h = x.shape[-1]
     m = x.numel() // h
     cfg = config_for("rms_norm_bwd", x)
@@ -46,10 +46,14 @@ def _separate_launches(dy, x, weight, rstd, shift, scale, index):
     dx = torch.empty_like(x)
     partials = torch.empty((tiles, h), dtype=torch.float32, device=x.device)
     normed = torch.empty((m, h), dtype=x.dtype, device=x.device)
-    rt._rms_norm_bwd_kernel[(tiles,)](
-        x, weight, dy, rstd, scale, index, dx, normed, partials, m, h, index.shape[0], scale.stride(0), h, float(h),
-        HAS_MOD=True, DTYPE=rt._TL_DTYPE[x.dtype], TILE_ROWS=cfg["TILE_ROWS"], SUB_ROWS=cfg["SUB_ROWS"],
-        BLOCK_H=rt._block_h(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    dtype = rt._TL_DTYPE[x.dtype]
+    rt._rms_norm_bwd_dx_kernel[(-(-m // cfg["DX_ROWS"]),)](
+        x, weight, dy, rstd, scale, index, dx, normed, m, h, index.shape[0], scale.stride(0), float(h),
+        HAS_MOD=True, DTYPE=dtype, ROWS=cfg["DX_ROWS"], BLOCK_H=rt._block_h(h), num_warps=cfg.num_warps)
+    rt._rms_norm_bwd_dw_kernel[(tiles, -(-h // cfg["BLOCK_C"]))](
+        x, dy, rstd, scale, index, partials, m, h, index.shape[0], scale.stride(0), h,
+        HAS_MOD=True, DTYPE=dtype, TILE_ROWS=cfg["TILE_ROWS"], SUB_ROWS=cfg["SUB_ROWS"], BLOCK_C=cfg["BLOCK_C"],
+        num_warps=cfg["DW_WARPS"])
     rows = dy.reshape(m, h)
     dshift = segment_sum_fwd(rows, index, shift.shape[0], period=index.shape[0])
     dscale = segment_sum_fwd(rows, index, shift.shape[0], other=normed, period=index.shape[0])
@@ -91,10 +95,10 @@ class _Counted:
         return self.kernel[grid]
 
 
-def test_modulated_backward_launches_norm_pair_partials_and_one_fold(monkeypatch):
+def test_modulated_backward_launches_dx_dweight_pair_partials_and_one_fold(monkeypatch):
     log = []
-    for module, name in ((rt, "_rms_norm_bwd_kernel"), (st_module, "_segment_sum_partials_kernel"),
-                         (fold_module, "_fold_groups_kernel")):
+    for module, name in ((rt, "_rms_norm_bwd_dx_kernel"), (rt, "_rms_norm_bwd_dw_kernel"),
+                         (st_module, "_segment_sum_partials_kernel"), (fold_module, "_fold_groups_kernel")):
         monkeypatch.setattr(module, name, _Counted(getattr(module, name), name, log))
     x, weight, table, index, dy = modulate_case((2,), 33, 24, 3, torch.bfloat16)
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, table)]
@@ -104,4 +108,5 @@ def test_modulated_backward_launches_norm_pair_partials_and_one_fold(monkeypatch
         log.clear()
         out.backward(dy)
     # 66 rows: 2 tiles of 64, folded in one level (interpreter GROUP = 4).
-    assert log == ["_rms_norm_bwd_kernel", "_segment_sum_partials_kernel", "_fold_groups_kernel"]
+    assert log == ["_rms_norm_bwd_dx_kernel", "_rms_norm_bwd_dw_kernel", "_segment_sum_partials_kernel",
+                   "_fold_groups_kernel"]

@@ -1,10 +1,12 @@
 """Triton RMSNorm with optional AdaLN modulation: row-pure forward, deterministic backward.
 
 Forward: a fixed number of rows per program (a config constant), each row reduced on its own with a
-fixed ``tl.sum`` tree over H, at PyTorch's rounding points (see ``reference.py``). Backward: one
-program per fixed 64-row tile walks its rows in ascending chunks, writes each row's dx (row-pure)
-and sums the rows' dweight terms in a fixed order into a tile partial; the
-partials are folded by the shared fixed-order multi-level ``fold_partials``. The modulation's
+fixed ``tl.sum`` tree over H, at PyTorch's rounding points (see ``reference.py``). Backward: two
+launches. dx is row-pure (each row's own reduction over H), in the forward's row grid. dweight's
+terms are summed per fixed 64-row tile, each column on its own over the tile's rows in ascending
+chunks, one program per (tile, column block), into a tile partial; the partials are folded by the
+shared fixed-order multi-level ``fold_partials``. Splitting the two fills the GPU at a few tiles
+(a short sequence has 15), where one program per tile walking its rows one by one could not. The modulation's
 table gradients are segment sums over all ``(batch x S)`` rows over the same tiles (one paired
 ``segment_sum`` partials launch), whose partials sit beside dweight's so one fold reduces all three.
 """
@@ -65,40 +67,67 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
+@triton.jit
+def _bwd_row_terms(x_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, rows, row_mask, cols, mask, offs, S,
+                   stride_scale, HAS_MOD: tl.constexpr, DTYPE: tl.constexpr):
+    """``(x_hat, g)`` of these rows: the normalized input ``x * rstd`` and the gradient reaching the
+    norm's weight product, ``dy`` times the modulation's rounded ``1 + scale`` when modulated."""
+    x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
+    g = to_f32(tl.load(dy_ptr + offs, mask=mask, other=0.0))
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    x_hat = x * rstd[:, None]
+    if HAS_MOD:
+        seg = tl.load(index_ptr + rows % S, mask=row_mask, other=0).to(tl.int64)
+        scale = to_f32(tl.load(scale_ptr + seg[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0))
+        # dL/dnormed stays in fp32 here (eager rounds it to DTYPE): more accurate, same bits every run.
+        g = g * round_f32(1.0 + scale, DTYPE)
+    return x_hat, g, rstd
+
+
 @fast_launch
 @triton.jit
-def _rms_norm_bwd_kernel(
-    x_ptr, w_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, dx_ptr, normed_ptr, dw_partials_ptr,
-    M, H, S, stride_scale, stride_partials, h_float,
+def _rms_norm_bwd_dx_kernel(
+    x_ptr, w_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, dx_ptr, normed_ptr,
+    M, H, S, stride_scale, h_float,
+    HAS_MOD: tl.constexpr, DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # ROWS rows per program, each reduced on its own along axis 1: a row's bits never see its neighbours.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < H)[None, :]
+    offs = rows[:, None] * H + cols[None, :]
+    w = to_f32(tl.load(w_ptr + cols, mask=cols < H, other=0.0))
+    x_hat, g, rstd = _bwd_row_terms(x_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, rows, row_mask, cols, mask, offs,
+                                    S, stride_scale, HAS_MOD, DTYPE)
+    if HAS_MOD:
+        # The stored normalized value multiplies g in d_scale, exactly as eager's product backward.
+        tl.store(normed_ptr + offs, from_f32(round_f32(x_hat * w[None, :], DTYPE), DTYPE), mask=mask)
+    u = g * w[None, :]
+    c_row = tl.math.div_rn(tl.sum(u * x_hat, axis=1), h_float)
+    dx = (u - x_hat * c_row[:, None]) * rstd[:, None]
+    tl.store(dx_ptr + offs, from_f32(round_f32(dx, DTYPE), DTYPE), mask=mask)
+
+
+@fast_launch
+@triton.jit
+def _rms_norm_bwd_dw_kernel(
+    x_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, dw_partials_ptr,
+    M, H, S, stride_scale, stride_partials,
     HAS_MOD: tl.constexpr, DTYPE: tl.constexpr, TILE_ROWS: tl.constexpr, SUB_ROWS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    w = to_f32(tl.load(w_ptr + cols, mask=cols < H, other=0.0))
-    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # The tile's rows in ascending chunks of SUB_ROWS; each chunk's dweight terms meet in a fixed tl.sum tree.
-    for c in range(TILE_ROWS // SUB_ROWS):
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    dw = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # The tile's rows in ascending chunks of SUB_ROWS; each column's terms of a chunk meet in a fixed
+    # tl.sum tree over the chunk's rows (SUB_ROWS = 1: one plain sum over the tile, row by row).
+    for c in tl.static_range(TILE_ROWS // SUB_ROWS):
         rows = tile * TILE_ROWS + c * SUB_ROWS + tl.arange(0, SUB_ROWS)
         row_mask = rows < M
         mask = row_mask[:, None] & (cols < H)[None, :]
-        offs = rows[:, None] * H + cols[None, :]
-        x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
-        g = to_f32(tl.load(dy_ptr + offs, mask=mask, other=0.0))
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        x_hat = x * rstd[:, None]
-        if HAS_MOD:
-            seg = tl.load(index_ptr + rows % S, mask=row_mask, other=0).to(tl.int64)
-            scale = to_f32(tl.load(scale_ptr + seg[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0))
-            normed = round_f32(x_hat * w[None, :], DTYPE)
-            # The stored normalized value multiplies g in d_scale, exactly as eager's product backward.
-            tl.store(normed_ptr + offs, from_f32(normed, DTYPE), mask=mask)
-            # dL/dnormed stays in fp32 here (eager rounds it to DTYPE): more accurate, same bits every run.
-            g = g * round_f32(1.0 + scale, DTYPE)
-        u = g * w[None, :]
-        c_row = tl.math.div_rn(tl.sum(u * x_hat, axis=1), h_float)
-        dx = (u - x_hat * c_row[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + offs, from_f32(round_f32(dx, DTYPE), DTYPE), mask=mask)
+        x_hat, g, _ = _bwd_row_terms(x_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, rows, row_mask, cols, mask,
+                                     rows[:, None] * H + cols[None, :], S, stride_scale, HAS_MOD, DTYPE)
         dw += tl.sum(g * x_hat, axis=0)
     tl.store(dw_partials_ptr + tile * stride_partials + cols, dw, mask=cols < H)
 
@@ -173,16 +202,19 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd:
     has_mod = shift is not None
     r = shift.shape[0] if has_mod else 0
     partials = torch.empty((tiles, h + 2 * r * h), dtype=torch.float32, device=x.device)
-    # Without modulation the kernel never touches ``normed``; dx stands in as a valid pointer.
+    # Without modulation the kernels never touch ``normed``, ``scale`` or ``index``; valid pointers stand in.
     normed = torch.empty((m, h), dtype=x.dtype, device=x.device) if has_mod else dx
+    mod = (scale, index, index.shape[0], scale.stride(0)) if has_mod else (x, rstd, 1, 0)
     if h > 0:
-        _rms_norm_bwd_kernel[(tiles,)](
-            x, weight, dy, rstd, scale if has_mod else x, index if has_mod else rstd, dx, normed, partials,
-            m, h, index.shape[0] if has_mod else 1, scale.stride(0) if has_mod else 0, partials.stride(0), float(h),
+        dx_rows = cfg["DX_ROWS"]
+        _rms_norm_bwd_dx_kernel[(-(-m // dx_rows),)](
+            x, weight, dy, rstd, mod[0], mod[1], dx, normed, m, h, mod[2], mod[3], float(h),
+            HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], ROWS=dx_rows, BLOCK_H=_block_h(h),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _rms_norm_bwd_dw_kernel[(tiles, -(-h // cfg["BLOCK_C"]))](
+            x, dy, rstd, mod[0], mod[1], partials, m, h, mod[2], mod[3], partials.stride(0),
             HAS_MOD=has_mod, DTYPE=_TL_DTYPE[x.dtype], TILE_ROWS=cfg["TILE_ROWS"], SUB_ROWS=cfg["SUB_ROWS"],
-            BLOCK_H=_block_h(h),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+            BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["DW_WARPS"])
     if has_mod:
         rows = dy.reshape(m, h)
         if num_tiles(rows) != tiles:
