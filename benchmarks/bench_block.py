@@ -55,7 +55,7 @@ def cotangents_for(model, inputs: dict, seed: int = 1) -> tuple[torch.Tensor, to
             torch.randn(audio.shape, generator=gen).to(audio.device))
 
 
-def _kernel_prefix(name: str) -> str:
+def kernel_prefix(name: str) -> str:
     """Group kernel names: drop template/argument lists and trailing specialisation suffixes."""
     name = re.sub(r"^void ", "", name)
     name = re.split(r"[<(\s]", name, maxsplit=1)[0]
@@ -90,7 +90,7 @@ def kernel_times(fn, device: torch.device, top: int = 25) -> list[dict]:
         else:
             us = evt.self_cpu_time_total
         if us > 0:
-            groups[_kernel_prefix(evt.key)] += us / 1e3
+            groups[kernel_prefix(evt.key)] += us / 1e3
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])
     return [{"kernel": k, "ms": v} for k, v in ranked[:top]]
 

@@ -257,6 +257,7 @@ class ModelBench:
             if profile and m == "step":
                 row["breakdown"] = {v: self._breakdown(v, inputs, cots) for v in args.variants if v not in self.failed}
                 row["host"] = {v: self._host(v, calls[m]) for v in args.variants if v not in self.failed}
+                row["gpu_idle"] = {v: self._idle(v, calls[m]) for v in args.variants if v not in self.failed}
             model.zero_grad(set_to_none=True)
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
@@ -266,6 +267,13 @@ class ModelBench:
         self._setup(variant)()
         try:
             return harness.host_profile(call, self.device)
+        except Exception as err:  # a profiler failure loses this record, not the timed rows
+            return {"error": _error(err)}
+
+    def _idle(self, variant: str, call) -> dict | None:
+        self._setup(variant)()
+        try:
+            return harness.gpu_idle(call, self.device, name_of=bench_block.kernel_prefix)
         except Exception as err:  # a profiler failure loses this record, not the timed rows
             return {"error": _error(err)}
 

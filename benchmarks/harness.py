@@ -214,6 +214,56 @@ def host_profile(fn: Callable[[], object], device: torch.device, top: int = 30) 
             "by_own_time": rows(2), "by_cumulative_time": rows(3)}
 
 
+def gpu_idle(fn: Callable[[], object], device: torch.device, top: int = 15,
+             name_of: Callable[[str], str] = lambda name: name) -> dict | None:
+    """When the GPU waits during one call of ``fn``: the CUDA activity of the call under the profiler
+    (CUDA only: no CPU op recording to slow the host), its kernels' busy time against their span,
+    and each idle gap charged to the kernel it preceded (``name_of`` groups kernel names). A gap
+    before a kernel is, when host-bound, the host time of the op that launched it. ``None`` off CUDA.
+    """
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    return {"profiled_wall_ms": wall_ms, **idle_gaps(spans, name_of, top)}
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], name_of: Callable[[str], str] = lambda name: name,
+              top: int = 15) -> dict:
+    """Busy, span and idle time (ms) of device activity ``spans`` ((start_us, end_us, name), sorted by
+    start; overlaps count once), each idle gap charged to the activity that ended it, grouped by
+    ``name_of`` and ranked by idle time."""
+    if not spans:
+        return {"kernels": 0}
+    busy = idle = 0.0
+    covered = spans[0][0]
+    charged: dict[str, list] = {}
+    gaps_over = {10: 0, 100: 0}
+    for start, end, name in spans:
+        if start > covered:
+            gap = start - covered
+            idle += gap
+            entry = charged.setdefault(name_of(name), [0.0, 0])
+            entry[0] += gap
+            entry[1] += 1
+            for limit in gaps_over:
+                gaps_over[limit] += gap > limit
+        busy += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    ranked = sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernels": len(spans), "gpu_busy_ms": busy / 1e3, "gpu_span_ms": (covered - spans[0][0]) / 1e3,
+            "gpu_idle_ms": idle / 1e3, "gaps_over_10us": gaps_over[10], "gaps_over_100us": gaps_over[100],
+            "idle_before": [{"kernel": k, "idle_ms": v[0] / 1e3, "gaps": v[1]} for k, v in ranked]}
+
+
 def test_gate(pytest_args: Sequence[str], *, skip: bool = False) -> dict:
     """Run the given CPU test files under the Triton interpreter; a record for the result JSON.
 

@@ -64,6 +64,19 @@ def test_time_rounds_rotates_records_failures_and_calls_after():
     assert [t for t, _ in calls[5:]] == ["a", "a", "b", "a", "b"] and after == ["b", "a", "a", "b", "a", "b"]
 
 
+def test_idle_gaps_charge_each_gap_to_the_activity_that_ended_it():
+    # (start_us, end_us, name): a 5 us gap before b, an overlap of c with b, a 200 us gap before the second a.
+    spans = [(0.0, 10.0, "a_1"), (15.0, 30.0, "b"), (20.0, 40.0, "c"), (240.0, 250.0, "a_2")]
+    got = harness.idle_gaps(spans, name_of=lambda name: name.split("_")[0])
+    assert got["gpu_busy_ms"] == pytest.approx(0.045) and got["gpu_span_ms"] == pytest.approx(0.250)
+    assert got["gpu_idle_ms"] == pytest.approx(0.205)
+    assert (got["gaps_over_10us"], got["gaps_over_100us"]) == (1, 1)
+    assert got["idle_before"] == [{"kernel": "a", "idle_ms": pytest.approx(0.200), "gaps": 1},
+                                  {"kernel": "b", "idle_ms": pytest.approx(0.005), "gaps": 1}]
+    assert harness.idle_gaps([]) == {"kernels": 0}
+    assert harness.gpu_idle(lambda: None, torch.device("cpu")) is None
+
+
 def test_gate_refuses_failing_tests(tmp_path):
     red = tmp_path / "test_red.py"
     red.write_text("def test_red():\n    assert False\n")
@@ -123,8 +136,8 @@ def test_block_layout_fractions_and_kernel_groups():
         assert layout.seq_len == s
         text, audio = layout.text_indices.numel(), layout.audio_indices.numel()
         assert abs(text - 0.05 * s) <= 1 and 0.15 * s - 1 <= audio <= 0.15 * s + max(64, 0.02 * s)
-    assert bench_block._kernel_prefix("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>(Params)") == \
+    assert bench_block.kernel_prefix("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>(Params)") == \
         "cutlass::Kernel2"
-    assert bench_block._kernel_prefix("_linear_fwd_kernel") == "_linear_fwd_kernel"
-    assert bench_block._kernel_prefix("aten::mm") == "aten::mm"
-    assert bench_block._kernel_prefix("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize") == "sm90_xmma_gemm"
+    assert bench_block.kernel_prefix("_linear_fwd_kernel") == "_linear_fwd_kernel"
+    assert bench_block.kernel_prefix("aten::mm") == "aten::mm"
+    assert bench_block.kernel_prefix("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize") == "sm90_xmma_gemm"

@@ -104,6 +104,7 @@ def test_tiny_run_rows_and_plot(tmp_path, monkeypatch):
     step = payload["rows"][1]["breakdown"]
     assert set(step) == {"strict_eager", "stock_eager"}
     assert step["stock_eager"]["total_ms"] > 0 and step["stock_eager"]["top"]
+    assert payload["rows"][1]["gpu_idle"] == {"strict_eager": None, "stock_eager": None}  # CPU: no CUDA timeline
     png = plot.plot(out)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
