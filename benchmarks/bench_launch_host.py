@@ -4,9 +4,10 @@ At S = 925 the strict training step is host-bound: the GPU waits for launches. F
 shape (qkv, out, fc1, fc2) and product (forward, dX, dW) at M tokens this times, in one process,
 the host microseconds of one launcher call in two ways, alternating: as the step runs it (the
 first call of a shape goes through Triton and keeps its prepared launch; later calls relaunch it
-with tensor maps encoded once per address) and with every call through Triton's own launch (the
-plan table held empty: a ``TensorDescriptor`` per operand, the binder's specialization, the map
-encodings). Both ways must give the same bits (``torch.equal``), checked on the same operands.
+with tensor maps encoded once per address) and with every call through Triton's own launch (an
+empty plan table and no preparation: a ``TensorDescriptor`` per operand, the binder's
+specialization, the map encodings). Both ways must give the same bits (``torch.equal``), checked
+on the same operands.
 
 Host time is wall time of ``calls`` back-to-back launcher calls with no synchronization inside,
 so it measures the launch path while the GPU queue absorbs the work (the GPU runs far behind).
@@ -32,11 +33,18 @@ SMOKE_SHAPES = {"qkv": (48, 32), "fc2": (32, 48)}
 BF16 = torch.bfloat16
 
 
-class _NeverKept(dict):
-    """A plan table that keeps nothing: every call takes Triton's launch."""
+class _TritonOnly:
+    """Inside: every GEMM launch takes Triton's path (an empty plan table, and the kernel prepares
+    nothing, so no plan is built either); the launcher's own table and kernel come back after."""
 
-    def __setitem__(self, key, value) -> None:
-        pass
+    def __enter__(self):
+        self.table = lt._TMA_PLANS
+        lt._TMA_PLANS = {}
+        lt._linear_gemm_tma_kernel.prepared = lambda *args, **kwargs: None
+
+    def __exit__(self, *exc):
+        del lt._linear_gemm_tma_kernel.prepared
+        lt._TMA_PLANS = self.table
 
 
 def _extra(parser):
@@ -70,19 +78,16 @@ def _case(name, shape, m, device, args) -> dict:
     w = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(BF16)
     dy = torch.randn(m, n, generator=g, device=device).to(BF16)
     row = {"shape": name, "m": m, "n": n, "k": k}
-    prepared_table = lt._TMA_PLANS
     for product, fn in _products(x, w, dy).items():
-        lt._TMA_PLANS = prepared_table
         fn()
         prepared_out = fn()
-        lt._TMA_PLANS = _NeverKept()
-        triton_out = fn()
+        with _TritonOnly():
+            triton_out = fn()
         samples = {"prepared": [], "triton": []}
         for _ in range(args.warmup + args.iters):
-            for way, table in (("prepared", prepared_table), ("triton", _NeverKept())):
-                lt._TMA_PLANS = table
-                samples[way].append(_host_us(fn, args.calls, device))
-        lt._TMA_PLANS = prepared_table
+            samples["prepared"].append(_host_us(fn, args.calls, device))
+            with _TritonOnly():
+                samples["triton"].append(_host_us(fn, args.calls, device))
         med = {way: statistics.median(s[args.warmup:]) for way, s in samples.items()}
         row[product] = {"prepared_us": med["prepared"], "triton_us": med["triton"],
                         "saved_us": med["triton"] - med["prepared"],

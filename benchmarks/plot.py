@@ -217,9 +217,31 @@ def plot_tp_designs(payload: dict, path: Path) -> Path:
     return _save(fig, path, 120)
 
 
+def plot_launch_host(payload: dict, path: Path) -> Path:
+    """Host microseconds per GEMM launcher call, per shape and product: prepared launch vs Triton's."""
+    plt = _pyplot()
+    labels, prepared, triton = [], [], []
+    for row in payload["rows"]:
+        for product in ("forward", "dx", "dw"):
+            labels.append(f"{row['shape']} {product}")
+            prepared.append(row[product]["prepared_us"])
+            triton.append(row[product]["triton_us"])
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels)), 4.5))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], triton, width=0.4, label="Triton's launch")
+    ax.bar([x + 0.2 for x in xs], prepared, width=0.4, label="prepared launch")
+    ax.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel(f"host us per call (median), M = {payload['settings']['m']}")
+    ax.legend(fontsize=7)
+    fig.suptitle(_title(payload), fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path, 120)
+
+
 TPS_TICKS = (1, 2, 4, 8)
 PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block, "linear": plot_linear,
-            "attention": plot_attention, "model": plot_model, "tp_designs": plot_tp_designs}
+            "attention": plot_attention, "model": plot_model, "tp_designs": plot_tp_designs,
+            "launch_host": plot_launch_host}
 
 
 def _kind(payload: dict) -> str | None:

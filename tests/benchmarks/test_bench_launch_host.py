@@ -1,5 +1,5 @@
 """``benchmarks/bench_launch_host.py --smoke`` end to end on CPU: every shape and product has both
-host times and equal bits, and the run leaves the launcher's own plan table in place."""
+host times and equal bits, and the run leaves the launcher's own plan table and kernel in place."""
 
 import importlib.util
 import json
@@ -13,6 +13,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 def test_smoke_run_times_both_ways_and_restores_the_plan_table(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import plot
+
     spec = importlib.util.spec_from_file_location("bench_launch_host", BENCH / "bench_launch_host.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -20,9 +22,11 @@ def test_smoke_run_times_both_ways_and_restores_the_plan_table(tmp_path, monkeyp
     out = tmp_path / "host.json"
     assert bench.main(["--smoke", "--skip-gate", "--device", "cpu", "--iters", "1", "--warmup", "0", "--calls", "1",
                        "--out", str(out)]) == 0
-    assert lt._TMA_PLANS is table
+    assert lt._TMA_PLANS is table and "prepared" not in vars(lt._linear_gemm_tma_kernel)
     report = json.loads(out.read_text())
     assert [r["shape"] for r in report["rows"]] == list(bench.SMOKE_SHAPES) and report["all_bits_equal"]
     for row in report["rows"]:
         for product in ("forward", "dx", "dw"):
             assert row[product]["prepared_us"] > 0 and row[product]["triton_us"] > 0, row
+    png = plot.plot(out)
+    assert png.read_bytes()[:4] == b"\x89PNG"
