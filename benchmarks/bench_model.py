@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import bench_block
@@ -263,26 +264,23 @@ class ModelBench:
             rows.append(row)
         return rows
 
-    def _host(self, variant: str, call) -> dict:
+    def _profiled(self, variant: str, profile: Callable[[], dict | None]) -> dict | None:
+        """One profiling record of ``variant`` (its path set up first); a profiler failure loses this
+        record, not the timed rows."""
         self._setup(variant)()
         try:
-            return harness.host_profile(call, self.device)
-        except Exception as err:  # a profiler failure loses this record, not the timed rows
+            return profile()
+        except Exception as err:
             return {"error": _error(err)}
+
+    def _host(self, variant: str, call) -> dict:
+        return self._profiled(variant, lambda: harness.host_profile(call, self.device))
 
     def _idle(self, variant: str, call) -> dict | None:
-        self._setup(variant)()
-        try:
-            return harness.gpu_idle(call, self.device, name_of=bench_block.kernel_prefix)
-        except Exception as err:  # a profiler failure loses this record, not the timed rows
-            return {"error": _error(err)}
+        return self._profiled(variant, lambda: harness.gpu_idle(call, self.device, name_of=bench_block.kernel_prefix))
 
     def _breakdown(self, variant: str, inputs: dict, cots) -> dict:
-        self._setup(variant)()
-        try:
-            return breakdown(self.model, inputs, cots, self.device)
-        except Exception as err:  # a profiler failure loses this breakdown, not the timed rows
-            return {"error": _error(err)}
+        return self._profiled(variant, lambda: breakdown(self.model, inputs, cots, self.device))
 
 
 def make_row(seq: int, measure: str, layout, per_variant: dict) -> dict:

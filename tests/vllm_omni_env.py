@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import socket
 import sys
 import threading
 import types
@@ -38,6 +37,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from flowlock.parallel.ports import free_local_port
 
 _SDPA_BACKEND = "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
 _lock = threading.Lock()
@@ -98,10 +99,6 @@ def check_pure_python_platforms() -> None:
         raise RuntimeError(f"vLLM / vLLM-Omni platforms are {names}, not the unspecified ones")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sdpa_cpu_forward(self, query, key, value, attn_metadata=None):
@@ -144,7 +141,7 @@ def ensure_runtime() -> None:
         with set_current_vllm_config(vllm_config()):
             if not model_parallel_is_initialized():
                 init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                             distributed_init_method=f"tcp://127.0.0.1:{free_local_port()}")
                 initialize_model_parallel(1)
         _ready = True
 

@@ -4,20 +4,17 @@ the even S (so the comparison can fail) and refuses the odd one, which the repor
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from flowlock.parallel.ports import free_local_port
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ulysses_nccl.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("seq", [24, 25])
@@ -25,7 +22,7 @@ def test_tiny_ulysses2_equals_one_process(tmp_path, seq):
     out = tmp_path / "ulysses.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(SCRIPT), "--tiny", "--seq", str(seq), "--repeats", "1",
+               "--master-port", str(free_local_port()), str(SCRIPT), "--tiny", "--seq", str(seq), "--repeats", "1",
                "--out", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,20 +5,17 @@ rank reports the three forwards' times."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from flowlock.parallel.ports import free_local_port
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_omni_tp_nccl.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("layout", ["tp", "ulysses"])
@@ -26,7 +23,7 @@ def test_tiny_degree2_forward_equals_one_process_on_every_rank(tmp_path, layout)
     out = tmp_path / f"{layout}2.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(SCRIPT), "--tiny", "--device", "cpu", "--iters", "1",
+               "--master-port", str(free_local_port()), str(SCRIPT), "--tiny", "--device", "cpu", "--iters", "1",
                "--warmup", "0", "--out", str(out), *(["--sp"] if layout == "ulysses" else [])]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -24,7 +24,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -61,6 +60,7 @@ from flowlock.integrations.vllm_omni import install  # noqa: E402
 from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel  # noqa: E402
 from flowlock.models.minimax_h3 import make_h3  # noqa: E402
 from flowlock.ops.linear import linear  # noqa: E402
+from flowlock.parallel.ports import free_local_port  # noqa: E402
 from flowlock.parallel.shards import RowShards  # noqa: E402
 from flowlock.parallel.ulysses import UlyssesSequence  # noqa: E402
 from flowlock.testing import poison_  # noqa: E402
@@ -413,10 +413,6 @@ def _child(name: str, rank: int, world: int, port: int, out: Path) -> None:
     os._exit(code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(name: str, root: Path, deadline_s: float) -> None:
@@ -424,7 +420,7 @@ def run_job(name: str, root: Path, deadline_s: float) -> None:
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("fork")
-    port = _free_port()
+    port = free_local_port()
     start = time.monotonic()
     procs = [context.Process(target=_child, args=(name, rank, world, port, out)) for rank in range(world)]
     for proc in procs:

@@ -5,10 +5,11 @@ parallelism (rank r trains sample r): each rank's outputs and latent gradients a
 model's for that sample, bit for bit, and the reduce-scattered parameter gradients repeat bitwise."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+
+from flowlock.parallel.ports import free_local_port
 
 _WORKER = textwrap.dedent("""
     import os
@@ -68,15 +69,11 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fsdp2_sharded_strict_forward_backward_equals_unsharded():
     world = 2
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_local_port()), WORLD_SIZE=str(world))
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER], env=dict(env, RANK=str(rank)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]

@@ -8,12 +8,13 @@ hang reports as a failure. :func:`check_layout` maps a layout spec to a job and 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from flowlock.parallel.ports import free_local_port
 
 # spec -> (world size, worker scenario)
 LAYOUTS = {"ulysses=2": (2, "ulysses"), "ulysses=4": (4, "ulysses"), "dp=2,ulysses=2": (4, "fsdp_ulysses"),
@@ -26,10 +27,6 @@ class Rank:
     output: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, scenario: str, worker: str | Path | None = None, timeout: float = 600.0,
@@ -41,7 +38,7 @@ def launch(world: int, scenario: str, worker: str | Path | None = None, timeout:
     import flowlock
 
     src = str(Path(flowlock.__file__).resolve().parents[1])
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_local_port()), WORLD_SIZE=str(world),
                PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
                FLOWLOCK_PG_TIMEOUT=str(pg_timeout), OMP_NUM_THREADS="1", **(extra_env or {}))
     command = [sys.executable, *(["-m", "flowlock.validate.layout_worker"] if worker is None else [str(worker)]),

@@ -14,21 +14,18 @@ the stock path does, and the model cannot be built without one.)
 
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import torch
 from torch import nn
+
+from flowlock.parallel.ports import free_local_port
 
 
 class NoAttentionBackend(RuntimeError):
     """vLLM-Omni selects no diffusion attention backend on this platform."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_model_parallel(device: torch.device) -> None:
@@ -44,7 +41,7 @@ def ensure_model_parallel(device: torch.device) -> None:
         return
     with set_current_vllm_config(vllm_config(device)):
         init_distributed_environment(world_size=1, rank=0, local_rank=device.index or 0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_local_port()}",
                                      backend="nccl" if device.type == "cuda" else "gloo")
         initialize_model_parallel(1)
 
