@@ -6,9 +6,10 @@ launches. dx is row-pure (each row's own reduction over H), in the forward's row
 terms are summed per fixed 64-row tile, each column on its own over the tile's rows in ascending
 chunks, one program per (tile, column block), into a tile partial; the partials are folded by the
 shared fixed-order multi-level ``fold_partials``. Splitting the two fills the GPU at a few tiles
-(a short sequence has 15), where one program per tile walking its rows one by one could not. The modulation's
-table gradients are segment sums over all ``(batch x S)`` rows over the same tiles (one paired
-``segment_sum`` partials launch), whose partials sit beside dweight's so one fold reduces all three.
+(a short sequence has 15), where one program per tile walking its rows one by one could not. The
+modulation's table gradients are segment sums over all ``(batch x S)`` rows over the same tiles (one
+paired ``segment_sum`` partials launch), whose partials sit beside dweight's so one fold reduces all
+three.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _bwd_row_terms(x_ptr, dy_ptr, rstd_ptr, scale_ptr, index_ptr, rows, row_mask, cols, mask, offs, S,
                    stride_scale, HAS_MOD: tl.constexpr, DTYPE: tl.constexpr):
-    """``(x_hat, g)`` of these rows: the normalized input ``x * rstd`` and the gradient reaching the
-    norm's weight product, ``dy`` times the modulation's rounded ``1 + scale`` when modulated."""
+    """``(x_hat, g, rstd)`` of these rows: the normalized input ``x * rstd``, the gradient reaching the
+    norm's weight product (``dy`` times the modulation's rounded ``1 + scale`` when modulated) and the
+    rows' rstd."""
     x = to_f32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     g = to_f32(tl.load(dy_ptr + offs, mask=mask, other=0.0))
     rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
