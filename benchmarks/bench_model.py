@@ -12,7 +12,7 @@ Measured per S (default {925, 4253, 8349, 16384}) and measure:
   parameter's gradient (set to ``None`` before each step, untimed). No optimizer: its FP32 state
   would not fit beside 33B parameters and their gradients on one GPU, and it is not what differs.
 
-Four variants of the one model instance (two copies would not fit on one GPU): ``strict_eager``
+Four plain variants of the one model instance (two copies would not fit on one GPU): ``strict_eager``
 (``flowlock.patch``), ``strict_compiled`` (the same plus diffusers' regional compile,
 ``compile_repeated_blocks``), ``stock_eager`` (the patch detached: stock diffusers) and
 ``stock_compiled`` (stock diffusers with the same regional compile). Same process; every variant is
@@ -23,6 +23,15 @@ its timed calls. At S in ``--breakdown-seq`` (default 925 and 16384) one profile
 gives the GPU time per kernel group (``torch.profiler``) and one more its host time per Python function
 (``cProfile``, ``harness.host_profile``): where a step's wall time exceeds its GPU time. A variant that
 raises (a compile error, out of memory) is recorded with its error and left out of the rest of that S.
+
+Three more variants replay one CUDA graph of the call for the fixed layout
+(``flowlock.models.minimax_h3.graphed.capture_h3``: one warm-up call, capture, then each timed call
+copies fresh latents and timesteps in, validates them and replays): ``strict_graphed`` (strict eager
+captured), ``stock_graphed`` and ``stock_compiled_graphed``. A captured step owns its gradients, and
+two gradient sets do not fit beside a 33B model, so each graphed variant is captured, timed
+(``--warmup`` then ``--iters`` replays) and released on its own after the alternating rounds of the
+four others: graphed variants are not interleaved with the rest. A path that cannot be captured is
+recorded with its error.
 
 Run: ``python benchmarks/bench_model.py --out benchmarks/results/model.json [--seq 925 4253]
 [--measures forward,step] [--variants strict_eager,stock_compiled]``; ``--smoke`` runs the tiny H3
@@ -54,9 +63,13 @@ SMOKE_SEQ = (24, 40)
 TEXT_ROWS, SMOKE_TEXT_ROWS = 256, 4
 FULL_LAYERS, REFINER_LAYERS = 50, 2
 MEASURES = ("forward", "step")
-# variant -> (path, compiled)
-VARIANTS = {"strict_eager": ("strict", False), "strict_compiled": ("strict", True),
-            "stock_eager": ("stock", False), "stock_compiled": ("stock", True)}
+# variant -> (path, compiled, graphed)
+VARIANTS = {"strict_eager": ("strict", False, False), "strict_compiled": ("strict", True, False),
+            "stock_eager": ("stock", False, False), "stock_compiled": ("stock", True, False),
+            "strict_graphed": ("strict", False, True), "stock_graphed": ("stock", False, True),
+            "stock_compiled_graphed": ("stock", True, True)}
+PLAIN_VARIANTS = tuple(v for v, (_, _, graphed) in VARIANTS.items() if not graphed)
+GRAPHED_VARIANTS = tuple(v for v, (_, _, graphed) in VARIANTS.items() if graphed)
 # First calls run stock before strict, so that the stock graphs are compiled before a strict compile
 # can fill dynamo's recompile limit (both share the code object of nn.Module._call_impl).
 FIRST_CALL_ORDER = ("stock_eager", "stock_compiled", "strict_eager", "strict_compiled")
@@ -126,7 +139,7 @@ class Paths:
         self._compiled = compiled
 
     def use(self, variant: str) -> None:
-        path, compiled = VARIANTS[variant]
+        path, compiled, _ = VARIANTS[variant]
         for (module, attr), fn in zip(self._patched, self._forwards):
             if path == "strict":
                 module.__dict__[attr] = fn
@@ -214,7 +227,8 @@ class ModelBench:
         calls = {"forward": lambda: _forward(model, inputs),
                  "step": lambda: bench_block._fwd_bwd(model, inputs, cots, MODE)}
         first: dict[str, dict] = {m: {} for m in args.measures}
-        for variant in [v for v in FIRST_CALL_ORDER if v in args.variants]:
+        plain = [v for v in args.variants if v in PLAIN_VARIANTS]
+        for variant in [v for v in FIRST_CALL_ORDER if v in plain]:
             for m in args.measures:
                 if variant in self.failed:
                     break
@@ -227,7 +241,7 @@ class ModelBench:
         rows = []
         for m in args.measures:
             t0 = time.perf_counter()
-            live = [v for v in args.variants if v not in self.failed]
+            live = [v for v in plain if v not in self.failed]
             peaks: dict[str, int] = {}
             grads: dict[str, int] = {}
 
@@ -242,6 +256,11 @@ class ModelBench:
             for v, r in timed.items():
                 if "error" in r:
                     self._fail(v, f"S={seq} {m} timed call", r["error"])
+            graphed = [v for v in args.variants if v in GRAPHED_VARIANTS and v not in self.failed]
+            replays = {}
+            for v in graphed:
+                timed[v], replays[v] = self._graphed(v, seq, m, inputs, cots, after, profile)
+                first[m][v] = timed[v].pop("capture_s", None)
             per_variant = {}
             for v in args.variants:
                 if v in self.failed:
@@ -256,13 +275,59 @@ class ModelBench:
                                   "params_with_grad": grads[v]}
             row = make_row(seq, m, layout, per_variant)
             if profile and m == "step":
-                row["breakdown"] = {v: self._breakdown(v, inputs, cots) for v in args.variants if v not in self.failed}
-                row["host"] = {v: self._host(v, calls[m]) for v in args.variants if v not in self.failed}
-                row["gpu_idle"] = {v: self._idle(v, calls[m]) for v in args.variants if v not in self.failed}
+                profiled = [v for v in plain if v not in self.failed]
+                row["breakdown"] = {v: self._breakdown(v, inputs, cots) for v in profiled}
+                row["host"] = {v: self._host(v, calls[m]) for v in profiled}
+                row["gpu_idle"] = {v: self._idle(v, calls[m]) for v in profiled}
+                row["gpu_idle"].update({v: idle for v, idle in replays.items() if idle is not None})
             model.zero_grad(set_to_none=True)
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
         return rows
+
+    def _graphed(self, variant: str, seq: int, measure: str, inputs: dict, cots, after,
+                 profile: bool) -> tuple[dict, dict | None]:
+        """``variant``'s path captured as one CUDA graph (``capture_h3``), then ``--iters`` replays after
+        ``--warmup`` ones, each timed as the other variants' calls (inputs copied in, replay); returns
+        the timings with ``capture_s`` (warm-up calls and capture) and, at a profiled S of the step, the
+        GPU idle time of one replay. The graph and the gradients it owns are released before
+        returning: a step's gradient pool does not fit twice beside a 33B model's."""
+        from flowlock.models.minimax_h3.graphed import capture_h3
+
+        model, device, args = self.model, self.device, self.args
+        self._setup(variant)()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        fn = ((lambda **kw: bench_block._fwd_bwd(model, kw, cots, MODE)) if measure == "step"
+              else (lambda **kw: _forward(model, kw)))
+        captured = None
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            captured = capture_h3(model, fn, inputs, warmup=1)
+            capture_s = _call(lambda: None, device) + time.perf_counter() - t0
+            fresh = {"hidden_states": inputs["hidden_states"].clone(), "timestep": inputs["timestep"].clone()}
+            timed = harness.time_rounds({variant: lambda _: captured(**fresh)}, device=device,
+                                        setups={variant: lambda: torch.cuda.reset_peak_memory_stats(device)},
+                                        rounds=args.iters, warmup=args.warmup, after=after)[variant]
+            idle = None
+            if measure == "step" and profile and "error" not in timed:
+                idle = self._idle(variant, lambda: captured(**fresh))
+        except Exception as err:  # recorded: a path that cannot be captured must not end the run
+            self._fail(variant, f"S={seq} {measure} capture", _error(err))
+            return {"error": self.failed[variant]}, None
+        finally:
+            if captured is not None:
+                captured.release()
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if "error" in timed:
+            self._fail(variant, f"S={seq} {measure} replay", timed["error"])
+            return {"error": self.failed[variant]}, None
+        return {**timed, "capture_s": capture_s}, idle
 
     def _profiled(self, variant: str, profile: Callable[[], dict | None]) -> dict | None:
         """One profiling record of ``variant`` (its path set up first); a profiler failure loses this
@@ -285,10 +350,13 @@ class ModelBench:
 
 def make_row(seq: int, measure: str, layout, per_variant: dict) -> dict:
     """One result row: the issue's keys (medians in seconds, ``None`` for a variant not run or
-    failed), the ratio of strict's faster variant to each stock variant, and per-variant detail."""
+    failed), the ratio of strict's fastest variant to each stock variant and to stock's fastest
+    (graphed variants included on both sides), and per-variant detail."""
     s = {v: per_variant.get(v, {}).get("median_s") for v in VARIANTS}
-    strict = {v: s[v] for v in ("strict_eager", "strict_compiled") if s[v] is not None}
+    strict = {v: s[v] for v in VARIANTS if VARIANTS[v][0] == "strict" and s[v] is not None}
+    stock = {v: s[v] for v in VARIANTS if VARIANTS[v][0] == "stock" and s[v] is not None}
     best = min(strict, key=strict.get) if strict else None
+    best_stock = min(stock, key=stock.get) if stock else None
 
     def ratio(a, b):
         return a / b if a is not None and b is not None else None
@@ -306,6 +374,9 @@ def make_row(seq: int, measure: str, layout, per_variant: dict) -> dict:
             "strict_over_stock_compiled": ratio(strict.get(best), s["stock_compiled"]),
             "strict_eager_over_stock_eager": ratio(s["strict_eager"], s["stock_eager"]),
             "strict_compiled_over_stock_compiled": ratio(s["strict_compiled"], s["stock_compiled"]),
+            "best_stock": best_stock,
+            "strict_over_best_stock": ratio(strict.get(best), stock.get(best_stock)),
+            "strict_graphed_over_stock_compiled_graphed": ratio(s["strict_graphed"], s["stock_compiled_graphed"]),
             "errors": {v: r["error"] for v, r in per_variant.items() if "error" in r},
             "variants": per_variant}
 
@@ -348,8 +419,9 @@ def _csv(choices):
 def _extra(parser) -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_SEQ})")
     parser.add_argument("--measures", type=_csv(MEASURES), default=list(MEASURES), help="forward,step")
-    parser.add_argument("--variants", type=_csv(tuple(VARIANTS)), default=list(VARIANTS),
-                        help=",".join(VARIANTS))
+    parser.add_argument("--variants", type=_csv(tuple(VARIANTS)), default=None,
+                        help=f"{','.join(VARIANTS)} (default: all on CUDA; {','.join(PLAIN_VARIANTS)} on CPU, "
+                             "where nothing can be captured)")
     parser.add_argument("--layers", type=int, default=None,
                         help=f"transformer blocks (default {FULL_LAYERS}; the tiny model's 2 with --smoke)")
     parser.add_argument("--breakdown-seq", type=int, nargs="*", default=None,
@@ -373,6 +445,8 @@ def main(argv=None) -> int:
         print(f"wrote {merge(args.merge, args.out)}")
         return 0
     device = torch.device(args.device)
+    if args.variants is None:
+        args.variants = list(VARIANTS if device.type == "cuda" else PLAIN_VARIANTS)
     gate = harness.gate_or_exit(args, list(GATE_TESTS))
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.smoke:
@@ -444,7 +518,8 @@ def _summary(row: dict) -> str:
     times = " ".join(f"{v}={fmt(row[f'{v}_s'], '.3f')}" for v in VARIANTS)
     return (f"S={row['S']} {row['measure']}: {times} s; best strict ({row['best_strict']}) / stock eager "
             f"{fmt(row['strict_over_stock_eager'], '.3f')}, / stock compiled "
-            f"{fmt(row['strict_over_stock_compiled'], '.3f')}"
+            f"{fmt(row['strict_over_stock_compiled'], '.3f')}, / best stock ({row['best_stock']}) "
+            f"{fmt(row['strict_over_best_stock'], '.3f')}"
             f"; peak GiB strict {fmt(row['strict_peak_gib'], '.1f')} stock {fmt(row['stock_peak_gib'], '.1f')}"
             + "".join(f"\n  {v} failed: {e.splitlines()[0][:300]}" for v, e in row["errors"].items()))
 

@@ -34,7 +34,7 @@ def test_layout_rows():
 def test_flags():
     args = harness.parse_args("x", ["--out", "o.json"], bench_model._extra, iters=3, warmup=1)
     assert (args.iters, args.warmup, args.fullgraph) == (3, 1, True)
-    assert args.measures == ["forward", "step"] and args.variants == list(bench_model.VARIANTS)
+    assert args.measures == ["forward", "step"] and args.variants is None  # main: all on CUDA, plain on CPU
     args = harness.parse_args("x", ["--out", "o.json", "--seq", "925", "16384", "--measures", "step",
                                     "--variants", "strict_eager,stock_compiled", "--no-fullgraph"], bench_model._extra)
     assert args.seq == [925, 16384] and args.measures == ["step"] and not args.fullgraph
@@ -107,6 +107,28 @@ def test_tiny_run_rows_and_plot(tmp_path, monkeypatch):
     assert payload["rows"][1]["gpu_idle"] == {"strict_eager": None, "stock_eager": None}  # CPU: no CUDA timeline
     png = plot.plot(out)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_graphed_variant_that_cannot_be_captured_is_recorded(tmp_path):
+    out = tmp_path / "model.json"
+    assert bench_model.main(TINY_RUN + ["--variants", "strict_eager,strict_graphed", "--measures", "step",
+                                        "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["strict_eager_s"] > 0 and row["strict_graphed_s"] is None
+    assert "capture" in row["errors"]["strict_graphed"] and "CUDA tensor" in row["errors"]["strict_graphed"]
+    assert set(row["breakdown"]) == {"strict_eager"}
+
+
+def test_row_ratios_take_the_fastest_path_of_each_side():
+    layout = bench_model.model_layout(925)
+    medians = {"strict_eager": 4.0, "strict_compiled": 3.0, "strict_graphed": 2.0, "stock_eager": 5.0,
+               "stock_compiled": 2.5, "stock_compiled_graphed": 1.6}
+    row = bench_model.make_row(925, "step", layout, {v: {"median_s": t} for v, t in medians.items()})
+    assert row["best_strict"] == "strict_graphed" and row["best_stock"] == "stock_compiled_graphed"
+    assert row["strict_over_stock_compiled"] == pytest.approx(2.0 / 2.5)
+    assert row["strict_over_best_stock"] == pytest.approx(2.0 / 1.6)
+    assert row["strict_graphed_over_stock_compiled_graphed"] == pytest.approx(2.0 / 1.6)
+    assert row["stock_graphed_s"] is None and row["strict_compiled_over_stock_compiled"] == pytest.approx(1.2)
 
 
 def test_red_gate_refuses_before_building(tmp_path, monkeypatch):
