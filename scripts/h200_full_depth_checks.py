@@ -9,6 +9,9 @@ text 256 rows, audio S // 16, the rest video):
   input. The first step's outputs, latent-input gradients and every parameter gradient are copied to
   host memory (two gradient sets do not fit beside the weights on the GPU), the second step's are
   compared with ``torch.equal``; the names of differing parameters are recorded;
+* on CUDA, the step captured as one CUDA graph (``flowlock.models.minimax_h3.graphed.capture_h3``) and
+  replayed on the same input: its outputs, latent gradients and every parameter gradient against the
+  first eager step's, ``torch.equal``;
 * batch invariance: sample 0 alone against sample 0 inside a batch of 2 (its own latents beside a
   second sample's, same layout), the forward's outputs and, from a backward of sample 0's cotangents
   alone, its latent-input gradients, ``torch.equal``.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,21 +52,54 @@ def step(model, inputs: dict, cots) -> dict:
     return {"outputs": [out[0].detach(), out[1].detach()], "latent_grads": [leaves[k].grad for k in LATENTS]}
 
 
-def repeatability(model, inputs: dict, cots) -> dict:
-    first = step(model, inputs, cots)
-    host = {n: p.grad.to("cpu") for n, p in model.named_parameters() if p.grad is not None}
-    first = {k: [t.to("cpu") for t in v] for k, v in first.items()}
-    second = step(model, inputs, cots)
-    differ = [f"output {i}" for i, (a, b) in enumerate(zip(first["outputs"], second["outputs"]))
+def graphed_step(model, inputs: dict, cots) -> tuple[dict, Callable[[], None]]:
+    """The step captured as one CUDA graph (``capture_h3``) and replayed once on ``inputs``: what
+    :func:`step` returns, here the graph's own tensors, and the function that releases the graph
+    (compare before calling it)."""
+    from flowlock.models.minimax_h3.graphed import capture_h3
+
+    def fn(**leaves):
+        out = model(**leaves, return_dict=False)
+        torch.autograd.backward([out[0], out[1]], list(cots))
+        return [out[0].detach(), out[1].detach()]
+
+    model.zero_grad(set_to_none=True)
+    leaves = {k: (v.clone().requires_grad_() if k in LATENTS else v) for k, v in inputs.items()}
+    captured = capture_h3(model, fn, leaves, warmup=1)
+    outputs = captured()
+    return {"outputs": outputs, "latent_grads": [captured.input_grads[k] for k in LATENTS]}, captured.release
+
+
+def _differing(first: dict, host: dict, other: dict, model) -> tuple[list[str], list[str]]:
+    """Outputs / latent gradients and parameter gradients of ``other`` (on the device) that differ from
+    ``first`` and ``host`` (host copies)."""
+    differ = [f"output {i}" for i, (a, b) in enumerate(zip(first["outputs"], other["outputs"]))
               if not torch.equal(a, b.cpu())]
-    differ += [f"{k}.grad" for k, a, b in zip(LATENTS, first["latent_grads"], second["latent_grads"])
+    differ += [f"{k}.grad" for k, a, b in zip(LATENTS, first["latent_grads"], other["latent_grads"])
                if not torch.equal(a, b.cpu())]
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     varying = sorted(n for n in host.keys() | grads.keys()
                      if n not in host or n not in grads or not torch.equal(host[n], grads[n].cpu()))
+    return differ, varying
+
+
+def repeatability(model, inputs: dict, cots) -> dict:
+    """Two eager steps, and on CUDA a replay of the step captured as a CUDA graph, against the first."""
+    first = step(model, inputs, cots)
+    host = {n: p.grad.to("cpu") for n, p in model.named_parameters() if p.grad is not None}
+    first = {k: [t.to("cpu") for t in v] for k, v in first.items()}
+    differ, varying = _differing(first, host, step(model, inputs, cots), model)
     model.zero_grad(set_to_none=True)
-    return {"outputs_and_latent_grads_repeatable": not differ, "differing": differ, "param_grads": len(host),
-            "param_grads_repeatable": len(host) - len(varying), "varying_param_grads": varying[:20]}
+    report = {"outputs_and_latent_grads_repeatable": not differ, "differing": differ, "param_grads": len(host),
+              "param_grads_repeatable": len(host) - len(varying), "varying_param_grads": varying[:20]}
+    if inputs["hidden_states"].is_cuda:
+        replayed, release = graphed_step(model, inputs, cots)
+        differ, varying = _differing(first, host, replayed, model)
+        release()
+        report["graphed_replay"] = {"outputs_and_latent_grads_equal": not differ, "differing": differ,
+                                    "param_grads_equal": len(host) - len(varying),
+                                    "differing_param_grads": varying[:20]}
+    return report
 
 
 def batch_invariance(model, alone: dict, pair: dict, cots_alone) -> dict:
@@ -115,9 +152,12 @@ def main(argv=None) -> int:
         handle.remove()
         report["wall_s"] = round(time.perf_counter() - start, 1)
         harness.write_json(args.out, report)
-    ok = (report["repeatability"]["outputs_and_latent_grads_repeatable"]
-          and report["repeatability"]["param_grads_repeatable"] == report["repeatability"]["param_grads"]
-          and report["batch_invariance"]["sample0_alone_equals_in_batch_of_2"])
+    rep = report["repeatability"]
+    graphed = rep.get("graphed_replay")
+    ok = (rep["outputs_and_latent_grads_repeatable"] and rep["param_grads_repeatable"] == rep["param_grads"]
+          and report["batch_invariance"]["sample0_alone_equals_in_batch_of_2"]
+          and (graphed is None or (graphed["outputs_and_latent_grads_equal"]
+                                   and graphed["param_grads_equal"] == rep["param_grads"])))
     print("ok" if ok else "NOT OK", f"({report['wall_s']} s)", flush=True)
     return 0 if ok else 1
 

@@ -132,3 +132,17 @@ def test_capture_refuses_before_running_anything():
     with pytest.raises(ValueError, match="no .grad at capture.*bias, weight"):
         capture(fn, {}, modules=[linear])
     assert not ran
+
+
+def test_an_input_that_requires_grad_takes_updates_and_exposes_its_gradient():
+    x = torch.randn(3, requires_grad=True)
+    (x * 2).sum().backward()
+
+    class Idle:
+        def replay(self):
+            pass
+
+    captured = CapturedCall(Idle(), {"x": x}, None)
+    assert captured.input_grads["x"] is x.grad
+    captured(x=torch.ones(3))
+    assert torch.equal(x.detach(), torch.ones(3)) and x.requires_grad

@@ -89,8 +89,9 @@ class CapturedCall:
         if self._validate is not None:
             self._validate({**self._static, **updates})
         self._check_storage()
-        for name, value in updates.items():
-            self._static[name].copy_(value)
+        with torch.no_grad():  # an owned input may be a leaf that requires grad (a step's latents)
+            for name, value in updates.items():
+                self._static[name].copy_(value)
         self._graph.replay()
         for param, grad in self._grads:
             param.grad = grad
