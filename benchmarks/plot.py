@@ -159,14 +159,15 @@ def plot_model(payload: dict, path: Path) -> Path:
         return [p[0] for p in points], [p[1] for p in points]
 
     for measure, style in (("step", "-"), ("forward", "--")):
-        for i, variant in enumerate(("strict_eager", "strict_compiled", "stock_eager", "stock_compiled")):
+        for i, variant in enumerate(("strict_eager", "strict_compiled", "strict_graphed", "stock_eager",
+                                     "stock_compiled", "stock_graphed", "stock_compiled_graphed")):
             xs, ys = series(measure, f"{variant}_s")
             if xs:
                 ax_t.plot(xs, ys, marker="o", linestyle=style, color=f"C{i}", label=f"{variant} {measure}")
-        for i, key in enumerate(("strict_over_stock_compiled", "strict_over_stock_eager")):
+        for i, key in enumerate(("strict_over_stock_compiled", "strict_over_stock_eager", "strict_over_best_stock")):
             xs, ys = series(measure, key)
             if xs:
-                ax_r.plot(xs, ys, marker="o", linestyle=style, color=f"C{i + 4}",
+                ax_r.plot(xs, ys, marker="o", linestyle=style, color=f"C{i + 7}",
                           label=f"{key.replace('strict_over_', 'strict / ').replace('_', ' ')} {measure}")
     ax_t.set_xscale("log")
     ax_t.set_yscale("log")
@@ -174,7 +175,7 @@ def plot_model(payload: dict, path: Path) -> Path:
     ax_r.axhline(1.0, color="black", linewidth=0.8)
     ax_r.axhline(0.9, color="black", linestyle=":", linewidth=0.8)
     ax_r.set_xscale("log")
-    ax_r.set_ylabel("time, strict (faster of eager / compiled) / stock")
+    ax_r.set_ylabel("time, strict (fastest variant) / stock")
     for i, key in enumerate(("strict_peak_gib", "stock_peak_gib")):
         xs, ys = series("step", key)
         if xs:

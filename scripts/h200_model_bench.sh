@@ -4,8 +4,8 @@
 # .whl/, at a commit whose CPU gate (tests/models) passed: the jobs run with --skip-gate.
 #
 # JOBS: benchmark processes run one after another, each "S[,S...][:MEASURES]" (measures default
-# forward,step), e.g. JOBS="925,4253" or JOBS="8349 16384:forward". VARIANTS and MODEL_ARGS go to
-# every job. Each job writes $OUT/model_<job>.json, rewritten after every S so that a job stopped at
+# forward,step), e.g. JOBS="925,4253" or JOBS="8349 16384:forward". VARIANTS (default: the
+# benchmark's, all seven on CUDA) and MODEL_ARGS go to every job. Each job writes $OUT/model_<job>.json, rewritten after every S so that a job stopped at
 # its limit keeps its finished rows, and $OUT/model_<job>.log. All jobs stop by BUDGET_S (default
 # 560 s, inside the call's 600). Join the JSONs of several calls with bench_model.py --merge.
 set -u
@@ -30,7 +30,7 @@ for job in ${JOBS:?set JOBS, e.g. JOBS=925,4253}; do
     fi
     echo "=== $name (limit ${left}s) $(date -u +%T)"
     timeout "$left" python3 benchmarks/bench_model.py --skip-gate --seq ${seqs//,/ } --measures "$measures" \
-        --variants "${VARIANTS:-strict_eager,strict_compiled,stock_eager,stock_compiled}" --out "$OUT/$name.json" \
+        ${VARIANTS:+--variants "$VARIANTS"} --out "$OUT/$name.json" \
         ${MODEL_ARGS:-} > "$OUT/$name.log" 2>&1
     echo "=== $name rc=$? $(date -u +%T)"
     grep -E "^S=|^  [a-z_]+ failed:|^wrote|Error" "$OUT/$name.log" | tail -n 40

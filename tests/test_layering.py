@@ -16,6 +16,7 @@ RANK = {
     "flowlock.testing": 4,
     "flowlock.ops": 4,
     "flowlock.patching": 5,
+    "flowlock.cuda_graphs": 5,
     "flowlock.rl": 5,
     "flowlock.parallel": 5,
     "flowlock.checkpoint": 5,
