@@ -4,8 +4,11 @@ One job per layout runs three traced steps (forward and backward): strict at S =
 strict with a planted row-count-dependent FFN down-projection that only rank 1's row count triggers,
 and the stock diffusers path (provider) at S = 24 (stock Ulysses needs S divisible by the degree).
 Strict must report no module differing; the plant must be named at ``transformer_blocks.0`` on rank 1
-alone, within rank 1's full-sequence rows; the stock path first differs in the token refiner's
-attention on every rank (diffusers routes the replicated refiner rows through the all-to-all).
+alone, within rank 1's full-sequence rows; the stock path must differ, and the trace must name where.
+Where stock first differs depends on the host's CPU kernels: with AVX2 kernels in the token refiner's
+attention forward (diffusers routes the replicated refiner rows through the all-to-all), with AVX-512
+ones (MKL and ATen pick other kernels) first in ``norm_out.linear``'s backward, so the test asserts
+only what holds on both.
 """
 
 import pytest
@@ -41,11 +44,14 @@ def test_planted_fault_is_named_at_its_module_and_rank(report):
     assert "first forward divergence at transformer_blocks.0 (record" in describe(report)
 
 
-def test_stock_ulysses_path_differs_first_in_the_refiner_attention(report):
-    div = report["runs"][2]["divergence"]
-    assert div is not None and div["phase"] == "forward", describe(report)
-    assert div["module"].startswith("token_refiner.refiner_blocks.0.attn"), div["module"]
-    assert [d["rank"] for d in div["ranks"]] == [0, 1]
+def test_stock_ulysses_path_differs_and_the_trace_names_where(report):
+    stock = report["runs"][2]
+    assert stock["mode"] == "provider" and stock["plant"] is None
+    div = stock["divergence"]
+    assert div is not None and div["phase"] in ("forward", "backward"), describe(report)
+    assert div["kind"] == "values" and div["ranks"], describe(report)
+    assert {d["rank"] for d in div["ranks"]} <= {0, 1}
+    assert f"first {div['phase']} divergence at {div['module']} (record" in describe(report)
 
 
 @pytest.mark.parametrize("argv, message", [
