@@ -15,6 +15,7 @@ writes the JSON report. N must divide 56. ``--tiny`` runs the tiny H3 on CPU and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -103,6 +104,11 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
         print(json.dumps(report, indent=2))
+    # The parallel model holds the Ulysses mesh's process groups: release it first, so that no group is
+    # destructed during interpreter shutdown, where a gloo rank once aborted ("terminate called without
+    # an active exception") after the report was written.
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 
