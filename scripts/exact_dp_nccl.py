@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import flowlock
 from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, layout_for_length, make_h3, tiny_inputs
 from flowlock.parallel import MicroBatchGradients, exact_data_parallel
+from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import mismatch_count
 from flowlock.validate.layout_exact_dp import fsdp_with_fp32_masters, micro_batch_step, one_process_trees
 
@@ -106,8 +107,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=2)
         print(json.dumps(payload, indent=2))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    end_process_groups()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flowlock.parallel import fold_sum_
+from flowlock.parallel.teardown import end_process_groups
 
 
 def main() -> None:
@@ -53,8 +54,8 @@ def main() -> None:
                           "fold_ms": round(fold_ms, 2), "all_reduce_bf16_ms": round(all_reduce_ms, 2),
                           "all_reduce_fp32_ms": round(all_reduce_fp32_ms, 2),
                           "ratio": round(fold_ms / all_reduce_ms, 2)}))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    end_process_groups()

@@ -15,7 +15,6 @@ writes the JSON report. N must divide 56. ``--tiny`` runs the tiny H3 on CPU and
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ from diffusers import ContextParallelConfig
 
 import flowlock
 from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, layout_for_length, make_h3, tiny_inputs
+from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import mismatch_count
 
 LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
@@ -104,13 +104,8 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
         print(json.dumps(report, indent=2))
-    # The parallel model holds the Ulysses mesh's process groups: release it first, so that no group is
-    # destructed during interpreter shutdown, where a gloo rank once aborted ("terminate called without
-    # an active exception") after the report was written.
-    del model
-    gc.collect()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    end_process_groups()

@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import flowlock  # noqa: E402
+from flowlock.parallel.teardown import end_process_groups  # noqa: E402
 from flowlock.testing import mismatch_count  # noqa: E402
 
 # (text, latent t, h, w, audio t): 256 + 8 x 16 x 30 + 157 = 4253 rows used (bench_vllm_omni's request)
@@ -214,9 +215,10 @@ def main(argv=None) -> int:
         equal = payload["all_ranks_bitwise_equal_to_one_gpu"]
         print(f"{'Ulysses' if args.sp else 'TP'} {world}: every rank equal to one GPU: {equal}; wrote {args.out}",
               flush=True)
-    dist.destroy_process_group()
     return 0 if all(r.get("bitwise_equal_to_one_gpu") for r in records) else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    end_process_groups()
+    raise SystemExit(code)

@@ -19,6 +19,7 @@ _WORKER = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     import flowlock
     from flowlock.models.minimax_h3 import tiny_h3, tiny_inputs
+    from flowlock.parallel.teardown import end_process_groups
     from flowlock.testing import assert_bitwise_equal
 
     LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
@@ -37,34 +38,38 @@ _WORKER = textwrap.dedent("""
         return (*(t.detach() for t in outs), *(inputs[k].grad for k in LATENTS)), grads
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    inputs = tiny_inputs(2)
-    reference = tiny_h3()
-    with flowlock.patch(reference):
-        expected = reference(**inputs)
-    model = tiny_h3()
-    for module in [*model.token_refiner.refiner_blocks, *model.transformer_blocks, model.norm_out]:
-        fully_shard(module, mesh=mesh)
-    for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
-        fully_shard(model.get_submodule(name), mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    with flowlock.patch(model), flowlock.mode("strict") as frame:
-        out = model(**inputs)
-        (out.sample.square().sum() + out.audio_sample.sum()).backward()
-    assert ("attention", "reference") in frame.ran
-    assert_bitwise_equal((out.sample, out.audio_sample), (expected.sample, expected.audio_sample), "fsdp rank")
-    assert all(p.grad is not None for p in model.parameters())
 
-    rank = dist.get_rank()
-    with flowlock.patch(reference):
-        alone, _ = forward_backward(reference, inputs, slice(None))
-    with flowlock.patch(model), flowlock.mode("strict"):
-        first, grads = forward_backward(model, inputs, slice(rank, rank + 1))
-        _, again = forward_backward(model, inputs, slice(rank, rank + 1))
-    assert_bitwise_equal(first, tuple(t[rank:rank + 1] for t in alone), "dp rank outputs and latent gradients")
-    assert len(grads) == len(list(model.parameters()))
-    assert_bitwise_equal(list(again.values()), list(grads.values()), "dp rank parameter gradients repeat")
-    dist.destroy_process_group()
+    def run():
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        inputs = tiny_inputs(2)
+        reference = tiny_h3()
+        with flowlock.patch(reference):
+            expected = reference(**inputs)
+        model = tiny_h3()
+        for module in [*model.token_refiner.refiner_blocks, *model.transformer_blocks, model.norm_out]:
+            fully_shard(module, mesh=mesh)
+        for name in ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out"):
+            fully_shard(model.get_submodule(name), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with flowlock.patch(model), flowlock.mode("strict") as frame:
+            out = model(**inputs)
+            (out.sample.square().sum() + out.audio_sample.sum()).backward()
+        assert ("attention", "reference") in frame.ran
+        assert_bitwise_equal((out.sample, out.audio_sample), (expected.sample, expected.audio_sample), "fsdp rank")
+        assert all(p.grad is not None for p in model.parameters())
+
+        rank = dist.get_rank()
+        with flowlock.patch(reference):
+            alone, _ = forward_backward(reference, inputs, slice(None))
+        with flowlock.patch(model), flowlock.mode("strict"):
+            first, grads = forward_backward(model, inputs, slice(rank, rank + 1))
+            _, again = forward_backward(model, inputs, slice(rank, rank + 1))
+        assert_bitwise_equal(first, tuple(t[rank:rank + 1] for t in alone), "dp rank outputs and latent gradients")
+        assert len(grads) == len(list(model.parameters()))
+        assert_bitwise_equal(list(again.values()), list(grads.values()), "dp rank parameter gradients repeat")
+
+    run()
+    end_process_groups()
     print("rank", os.environ["RANK"], "ok")
 """)
 

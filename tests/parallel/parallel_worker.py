@@ -27,6 +27,7 @@ import flowlock.models.minimax_h3.strict as h3_strict
 from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, tiny_h3, tiny_inputs
 from flowlock.ops import final_adaln_out, gate_residual, linear, linear_weight_grad, qk_norm_rope, rms_norm_modulate
 from flowlock.parallel import CollectiveError
+from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
 from flowlock.validate.layout_worker import (
     BATCH,
@@ -402,7 +403,7 @@ def main() -> None:
     _poison_allocations()
     rank = init()
     globals()["scenario_" + sys.argv[1]](rank, *sys.argv[2:])
-    dist.destroy_process_group()
+    end_process_groups()
     print(f"rank {rank} ok", flush=True)
 
 

@@ -32,6 +32,7 @@ import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 from flowlock.models.minimax_h3 import tiny_inputs
 from flowlock.parallel.collectives import gather_from_ranks
+from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import assert_bitwise_equal
 from flowlock.validate.layout_exact_dp import check_exact_data_parallel
 from flowlock.validate.layout_models import BATCH, LATENTS, LAYOUTS, cp_model, local, model_for
@@ -274,7 +275,7 @@ SCENARIOS = {"ulysses": check_ulysses, "fsdp_ulysses": check_fsdp_ulysses, "exac
 def main() -> None:
     rank = init()
     SCENARIOS[sys.argv[1]](rank, *sys.argv[2:])
-    dist.destroy_process_group()
+    end_process_groups()
     print(f"rank {rank} ok", flush=True)
 
 
