@@ -43,6 +43,8 @@ def _extra(parser):
                         help="sweep just these ops")
     parser.add_argument("--sweep-only-run", action="store_true",
                         help="skip the checks and the frozen-config cases (a sweep run alone)")
+    parser.add_argument("--sweep-candidates", type=int, nargs="*", default=None,
+                        help="time just these candidate indices (0: the frozen config, 1: it without TAIL_SPLIT)")
     parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing new cases after this")
 
@@ -180,14 +182,17 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
         return dataclasses.replace(base, blocks=tuple(sorted(merged.items())), num_warps=warps, num_stages=stages)
 
     if op == "linear_dw":
-        return [base, mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1),
+        return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
+                mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1),
                 mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1, FLATTEN=1),
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=0, FLAT_UNITS=0, FLATTEN=0),
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLAT_UNITS=1, FLATTEN=1)]
     # then smaller tiles (more, shorter waves: N = 5376 at M = 4096 leaves a 0.18 last wave of 128x128
     # tiles), deeper pipelines and other tile-group heights (none beat 128x128 there in the sweep of
     # 49d5e61, which also tried two persistent programs per SM)
-    return [base, mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
+    return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
+            mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=1),
+            mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=0),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1),
             mk(8, 3, BLOCK_I=256, BLOCK_J=128, EPI_SPLIT=1, FLATTEN=1),
@@ -198,8 +203,8 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=1, GROUP_I=4)]
 
 
-def _sweep(device, shapes, ms, t_end, ops) -> list[dict]:
-    """Each candidate config against cuBLAS, per shape and M."""
+def _sweep(device, shapes, ms, t_end, ops, chosen=None) -> list[dict]:
+    """Each candidate config (or those at the indices ``chosen``) against cuBLAS, per shape and M."""
     results = []
     for m in ms:
         for name, (n, k) in shapes.items():
@@ -218,7 +223,10 @@ def _sweep(device, shapes, ms, t_end, ops) -> list[dict]:
                     continue
                 base = launch_config(op, BF16, arch_of(w), (n, k))
                 ref = None
-                for idx, cand in enumerate(_candidates(op, base)):
+                candidates = _candidates(op, base)
+                for idx, cand in enumerate(candidates):
+                    if (chosen is not None and idx not in chosen) or cand in candidates[:idx]:
+                        continue
                     if time.perf_counter() > t_end:
                         return results
                     row = {"shape": name, "m": m, "op": op, "candidate": idx, "blocks": dict(cand.blocks),
@@ -295,7 +303,7 @@ def main(argv=None) -> None:
             names = args.sweep_only or (("qkv", "fc2") if args.quick else tuple(shapes))
             sweep_shapes = {k: shapes[k] for k in names}
             _section(payload, "sweep", lambda: _sweep(device, sweep_shapes, args.sweep_m or ms, t_end,
-                                                                 args.sweep_ops), args.out)
+                                                                 args.sweep_ops, args.sweep_candidates), args.out)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def _with(cfg: LaunchConfig, **blocks) -> LaunchConfig:
 
 def _tma_cfg(op, dtype):
     """The interpreter-sized config with the TMA (persistent, descriptor) variant switched on."""
-    return _with(launch_config(op, dtype, "interp"), TMA=1, EPI_SPLIT=1 if op == "linear_fwd" else 0)
+    return _with(launch_config(op, dtype, "interp"), TMA=1, EPI_SPLIT=1 if op == "linear_fwd" else 0, TAIL_SPLIT=1)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
@@ -195,6 +195,29 @@ def test_tma_variant_under_interpreter(dtype):
     assert_bitwise_equal(alone, out[5:6], "tma row alone vs in batch")
     cols = lt.linear_fwd(x, w[16:].contiguous(), b[16:].contiguous(), dtype, config=_tma_cfg("linear_fwd", dtype))
     assert_bitwise_equal(cols, out[:, 16:], "tma column shard")
+
+
+@pytest.mark.parametrize("op", ["linear_fwd", "linear_dx", "linear_dw"])
+@pytest.mark.parametrize(("rows", "cols"), [(56, 56), (64, 16), (16, 16), (48, 48), (56, 24)])
+def test_tma_tail_split_moves_no_arithmetic(op, rows, cols):
+    """Half-width tiles for the walk's last round give every element the bits of whole tiles.
+
+    The output is rows x cols in 16 x 16 tiles walked by 3 programs under the interpreter: 16 tiles
+    (tail 1: split, and the last column tile's right half lies past cols), 4 (tail 1, split), 1 (fewer
+    tiles than programs: both halves run), 9 (no tail) and 8 (tail 2: halves would not fit a round).
+    """
+    g = torch.Generator().manual_seed(12)
+    a80, a40 = torch.randn(rows, 80, generator=g).to(BF16), torch.randn(40, rows, generator=g).to(BF16)
+    b80, b40 = torch.randn(cols, 80, generator=g).to(BF16), torch.randn(40, cols, generator=g).to(BF16)
+    bias = torch.randn(cols, generator=g).to(BF16)
+    runs = {"linear_fwd": lambda c: lt.linear_fwd(a80, b80, bias, BF16, config=c),
+            "linear_dx": lambda c: lt.linear_dx(a80, b80.T.contiguous(), BF16, config=c),
+            "linear_dw": lambda c: lt.linear_dw(a40, b40, torch.empty(rows, cols, dtype=BF16), FP32, config=c)}
+    cfg = _tma_cfg(op, BF16)
+    whole = runs[op](_with(cfg, TAIL_SPLIT=0))
+    assert whole.shape == (rows, cols)
+    assert_bitwise_equal(runs[op](cfg), whole, f"{op} split tail vs whole tiles")
+    assert_bitwise_equal(runs[op](_with(cfg, TMA=0)), whole, f"{op} TMA walk vs one program per tile")
 
 
 @pytest.mark.parametrize("variant", ["pointer", "tma", "tma_flat"])

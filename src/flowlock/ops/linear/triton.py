@@ -27,6 +27,9 @@ what sequence parallelism needs. dBias uses the same units.
 Two kernel variants share these semantics; the launch config names the one to use (``TMA``):
 ``_linear_gemm_tma_kernel`` (Hopper: TMA tensor descriptors, persistent grid with a fixed grouped
 tile order) and ``_linear_gemm_kernel`` (plain masked ``tl.load``, any GPU and the interpreter).
+The TMA variant may run the last, partial round of its walk as half-width tiles (``TAIL_SPLIT``):
+at M = 925 the dX of q, k, v and fc1 is 168 tiles of 128 x 256 on 132 SMs, whose second round
+would leave 96 SMs idle for a whole tile's time.
 """
 
 from __future__ import annotations
@@ -194,13 +197,56 @@ def _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T: tl.constexpr, B_T: 
     return acc
 
 
+@triton.jit
+def _tma_tile(a_desc, b_desc, c_desc, bias_ptr, oi, oj, J, R, A_T: tl.constexpr, B_T: tl.constexpr,
+              HAS_BIAS: tl.constexpr, UNIT: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr,
+              SOFT_BF16: tl.constexpr, EPI_SPLIT: tl.constexpr, FLAT_UNITS: tl.constexpr,
+              BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One (BLOCK_I, BLOCK_J) output tile at (oi, oj): its reduction, bias and store."""
+    acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    if UNIT == 0:
+        acc = _tma_dot_range(a_desc, b_desc, oi, oj, 0, R, acc, A_T, B_T, BLOCK_R, FP32_DOT, COMPENSATED)
+    elif FLAT_UNITS:
+        acc = _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T, B_T, BLOCK_I, BLOCK_J, BLOCK_R, UNIT,
+                                  FP32_DOT, COMPENSATED)
+    else:
+        for u in range(0, R, UNIT):
+            part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+            part = _tma_dot_range(a_desc, b_desc, oi, oj, u, tl.minimum(u + UNIT, R), part, A_T, B_T,
+                                  BLOCK_R, FP32_DOT, COMPENSATED)
+            acc = acc + part
+    if HAS_BIAS:
+        offs_j = oj + tl.arange(0, BLOCK_J)
+        bias = tl.load(bias_ptr + offs_j, mask=offs_j < J, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    c = _to_out(acc, c_desc.dtype, SOFT_BF16)
+    if EPI_SPLIT:
+        halves = tl.permute(tl.reshape(c, (BLOCK_I, 2, BLOCK_J // 2)), (0, 2, 1))
+        c0, c1 = tl.split(halves)
+        c_desc.store([oi, oj], c0)
+        c_desc.store([oi, oj + BLOCK_J // 2], c1)
+    else:
+        c_desc.store([oi, oj], c)
+
+
+@triton.jit
+def _split_tail(tiles, NUM_PROGRAMS: tl.constexpr, TAIL_SPLIT: tl.constexpr):
+    """How many of the last tiles run as two half-width tiles each: the partial last round of the
+    persistent walk when its halves fit one round (2 * tail <= NUM_PROGRAMS), else none."""
+    tail = tiles % NUM_PROGRAMS
+    if not TAIL_SPLIT:
+        tail = 0
+    return tl.where(2 * tail <= NUM_PROGRAMS, tail, 0)
+
+
 @fast_launch
 @triton.jit
-def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
+def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bias_ptr, I, J, R,
                             A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
                             UNIT: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr,
                             SOFT_BF16: tl.constexpr,
                             EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, FLAT_UNITS: tl.constexpr,
+                            TAIL_SPLIT: tl.constexpr,
                             BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
                             GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """TMA variant: persistent programs walk the grouped tile order with stride NUM_PROGRAMS.
@@ -208,40 +254,31 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, I, J, R,
     Descriptor blocks: A is (BLOCK_I, BLOCK_R), or (BLOCK_R, BLOCK_I) when stored transposed
     (A_T); B is (BLOCK_R, BLOCK_J), or (BLOCK_J, BLOCK_R) when B_T; C is (BLOCK_I, BLOCK_J), or
     (BLOCK_I, BLOCK_J // 2) with EPI_SPLIT, which stores the tile in two halves to halve the
-    epilogue's shared memory. FLATTEN lets the compiler pipeline across tile boundaries and
-    FLAT_UNITS runs the token units as one loop (no pipeline drain at unit boundaries); neither
-    moves any arithmetic.
+    epilogue's shared memory. ``b_half_desc`` and ``c_half_desc`` are B and C with BLOCK_J // 2 in
+    place of BLOCK_J, for the split tail. FLATTEN lets the compiler pipeline across tile boundaries
+    and FLAT_UNITS runs the token units as one loop (no pipeline drain at unit boundaries).
+
+    TAIL_SPLIT: when the walk's last round would leave most programs idle (tail tiles t with
+    2 t <= NUM_PROGRAMS), those t tiles run as 2 t half-width tiles, one per program, so the round
+    takes about half a tile's time. None of these moves any arithmetic: an element's bits depend only
+    on its row of A, its column of B and BLOCK_R, not on the tile that holds it.
     """
     n_i = tl.cdiv(I, BLOCK_I)
     n_j = tl.cdiv(J, BLOCK_J)
-    for tile in tl.range(tl.program_id(0), n_i * n_j, NUM_PROGRAMS, flatten=FLATTEN):
+    tiles = n_i * n_j
+    tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+    for tile in tl.range(tl.program_id(0), tiles - tail, NUM_PROGRAMS, flatten=FLATTEN):
         pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
-        oi = pid_i * BLOCK_I
-        oj = pid_j * BLOCK_J
-        acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
-        if UNIT == 0:
-            acc = _tma_dot_range(a_desc, b_desc, oi, oj, 0, R, acc, A_T, B_T, BLOCK_R, FP32_DOT, COMPENSATED)
-        elif FLAT_UNITS:
-            acc = _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T, B_T, BLOCK_I, BLOCK_J, BLOCK_R, UNIT,
-                                      FP32_DOT, COMPENSATED)
-        else:
-            for u in range(0, R, UNIT):
-                part = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
-                part = _tma_dot_range(a_desc, b_desc, oi, oj, u, tl.minimum(u + UNIT, R), part, A_T, B_T,
-                                      BLOCK_R, FP32_DOT, COMPENSATED)
-                acc = acc + part
-        if HAS_BIAS:
-            offs_j = oj + tl.arange(0, BLOCK_J)
-            bias = tl.load(bias_ptr + offs_j, mask=offs_j < J, other=0.0)
-            acc = acc + bias.to(tl.float32)[None, :]
-        c = _to_out(acc, c_desc.dtype, SOFT_BF16)
-        if EPI_SPLIT:
-            halves = tl.permute(tl.reshape(c, (BLOCK_I, 2, BLOCK_J // 2)), (0, 2, 1))
-            c0, c1 = tl.split(halves)
-            c_desc.store([oi, oj], c0)
-            c_desc.store([oi, oj + BLOCK_J // 2], c1)
-        else:
-            c_desc.store([oi, oj], c)
+        _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T, HAS_BIAS,
+                  UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, EPI_SPLIT, FLAT_UNITS, BLOCK_I, BLOCK_J, BLOCK_R)
+    if TAIL_SPLIT:
+        for half in tl.range(tl.program_id(0), 2 * tail, NUM_PROGRAMS):
+            pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+            oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
+            if oj < J:  # the right half of the last column tile may lie wholly past J
+                _tma_tile(a_desc, b_half_desc, c_half_desc, bias_ptr, pid_i * BLOCK_I, oj, J, R, A_T, B_T,
+                          HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, False, FLAT_UNITS, BLOCK_I,
+                          BLOCK_J // 2, BLOCK_R)
 
 
 @fast_launch
@@ -308,10 +345,19 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _tma_flags(cfg: LaunchConfig) -> tuple[bool, bool, bool]:
-    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS)`` of a TMA config, each optional (absent: off)."""
+def _tma_flags(cfg: LaunchConfig) -> tuple[bool, bool, bool, bool]:
+    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, TAIL_SPLIT)`` of a TMA config, each optional (absent: off)."""
     blocks = dict(cfg.blocks)
-    return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS"))
+    return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS", "TAIL_SPLIT"))
+
+
+def tma_programs(tiles: int, processors: int, tail_split: bool) -> int:
+    """Persistent programs for ``tiles`` output tiles on ``processors`` SMs: one per SM, or one per
+    tile when there are fewer, or one per half tile when TAIL_SPLIT halves them all within one round
+    (the kernel's ``_split_tail`` then takes every tile as the tail)."""
+    if tiles >= processors:
+        return processors
+    return 2 * tiles if tail_split and 2 * tiles <= processors else tiles
 
 
 def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
@@ -363,21 +409,26 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
         plan = _TMA_PLANS.get(key)
         if plan is not None and not launch_hooked():
             launch, programs = plan
-            launch(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, bias_arg, i_dim, j_dim, r_dim)
+            launch(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, b, c, bias_arg, i_dim, j_dim,
+                   r_dim)
             return c
     fp32_dot, compensated, soft_bf16 = _arithmetic(a, b, c)
     bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
-    epi_split, flatten, flat_units = _tma_flags(cfg)
+    epi_split, flatten, flat_units, tail_split = _tma_flags(cfg)
     descriptors = (TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br]),
                    TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj]),
-                   TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj]))
-    programs = min(_num_programs(c.device.index or 0) if c.is_cuda else _INTERP_PROGRAMS, tiles)
+                   TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj]),
+                   TensorDescriptor.from_tensor(b, [bj // 2, br] if b_t else [br, bj // 2]),
+                   TensorDescriptor.from_tensor(c, [bi, bj // 2]))
+    programs = tma_programs(tiles, _num_programs(c.device.index or 0) if c.is_cuda else _INTERP_PROGRAMS,
+                            tail_split)
     args = (*descriptors, bias_arg, i_dim, j_dim, r_dim)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=cfg["UNIT"], FP32_DOT=fp32_dot,
                   COMPENSATED=compensated, SOFT_BF16=soft_bf16, EPI_SPLIT=epi_split, FLATTEN=flatten,
-                  FLAT_UNITS=flat_units, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"],
-                  NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  FLAT_UNITS=flat_units, TAIL_SPLIT=tail_split, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br,
+                  GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     _linear_gemm_tma_kernel[(programs,)](*args, **kwargs)
     if key is not None:
         prepared = _linear_gemm_tma_kernel.prepared(*args, **kwargs)

@@ -1,0 +1,74 @@
+"""linear's split tail on a Hopper GPU: at H3's shapes, the frozen configs with TAIL_SPLIT (the walk's
+partial last round as half-width tiles) give the bits of the same configs without it, and rows keep
+their bits across token counts whose walks split differently.
+
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_tail_gpu.py
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from flowlock.ops.linear import triton as lt
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                       reason="needs a Hopper (sm90+) GPU"),
+]
+
+BF16 = torch.bfloat16
+# (N, K) of H3's linear weights: q (k, v alike), out, fc1, fc2 and the fused qkv.
+SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336), "qkv": (21504, 5376)}
+# 925: dX of q and fc1 is 168 tiles (tail 36, split); 4253: 714 tiles (tail 54, split); 64: one row of
+# tiles, fewer tiles than SMs (every tile split where the halves fit one round).
+TOKENS = (925, 4253, 64)
+
+
+def _without_tail_split(cfg):
+    blocks = dict(cfg.blocks) | {"TAIL_SPLIT": 0}
+    return dataclasses.replace(cfg, blocks=tuple(sorted(blocks.items())))
+
+
+def _operands(m, n, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(BF16)
+    dy = torch.randn(m, n, generator=g, device="cuda").to(BF16)
+    return x, w, dy
+
+
+def _products(x, w, dy, split: bool):
+    """Forward, dX and dW with the frozen configs, or those configs without TAIL_SPLIT."""
+    cfgs = {op: lt.lookup(op, w, *ops) for op, ops in
+            (("linear_fwd", (x, w)), ("linear_dx", (dy, w)), ("linear_dw", (dy, x)))}
+    assert all(dict(c.blocks).get("TAIL_SPLIT") for c in cfgs.values()), "the sm90 configs split the tail"
+    if not split:
+        cfgs = {op: _without_tail_split(c) for op, c in cfgs.items()}
+    return (lt.linear_fwd(x, w, None, BF16, config=cfgs["linear_fwd"]),
+            lt.linear_dx(dy, w, BF16, config=cfgs["linear_dx"]),
+            lt.linear_dw(dy, x, w, BF16, config=cfgs["linear_dw"]))
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_split_tail_keeps_the_bits(name):
+    n, k = SHAPES[name]
+    for m in TOKENS:
+        x, w, dy = _operands(m, n, k)
+        split = _products(x, w, dy, split=True)
+        whole = _products(x, w, dy, split=False)
+        for product, a, b in zip(("forward", "dX", "dW"), split, whole):
+            assert torch.equal(a, b), f"{name} M={m} {product}: split tail differs from whole tiles"
+
+
+@pytest.mark.parametrize("name", ["q", "fc1"])
+def test_rows_keep_their_bits_across_token_counts(name):
+    """The first 925 rows of a 4253-row product (tail 54 of 714 tiles) equal the 925-row product
+    (tail 36 of 168), in the forward and in dX."""
+    n, k = SHAPES[name]
+    x, w, dy = _operands(4253, n, k, seed=1)
+    big = _products(x, w, dy, split=True)
+    small = _products(x[:925], w, dy[:925], split=True)
+    assert torch.equal(big[0][:925], small[0]), f"{name} forward rows"
+    assert torch.equal(big[1][:925], small[1]), f"{name} dX rows"
