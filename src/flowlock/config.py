@@ -205,7 +205,8 @@ for _dt in ("bf16", "fp16"):
     register("linear_dx", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, note=_note))
     register("linear_dw", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
-                                            EPI_SPLIT=1, FLAT_UNITS=1, TAIL_SPLIT=1, note=_note + "; UNIT = dW token unit"))
+                                            EPI_SPLIT=1, FLAT_UNITS=1, TAIL_SPLIT=1,
+                                            note=_note + "; UNIT = dW token unit"))
     register("linear_dbias", _dt, "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note="by design; ran, not timed"))
 for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):
     register(_op, "fp32", "sm90", _cfg(4, 3, BLOCK_I=64, BLOCK_J=64, BLOCK_R=32, GROUP_I=8, UNIT=_unit, TMA=1,
