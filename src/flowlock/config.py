@@ -193,7 +193,8 @@ for _dt in ("bf16", "fp16", "fp32"):
 # sm90 entries: chosen on one H200 (torch 2.11, triton 3.6) by `bench_linear.py --sweep`, candidates timed against
 # cuBLAS at M = 4096/16384/32768, best worst-case ratio kept (benchmarks/results/linear_h200_run2.json).
 _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
-# TAIL_SPLIT (half-width tiles for a partial last round of the persistent walk) moves no arithmetic.
+# TAIL_SPLIT (half-width tiles for a partial last round of the persistent walk) and PER_TILE (one program
+# per tile, for dW on a side stream beside dX: flowlock.ops.linear.triton.linear_dx_dw) move no arithmetic.
 # fp16 takes the bf16 tiles untimed: the same operand bytes and tensor-core rate, the same fp32 accumulator
 for _dt in ("bf16", "fp16"):
     _note = _LINEAR_SM90 if _dt == "bf16" else "bf16 tiles, untimed for fp16"
@@ -205,8 +206,8 @@ for _dt in ("bf16", "fp16"):
     register("linear_dx", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, note=_note))
     register("linear_dw", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
-                                            EPI_SPLIT=1, FLAT_UNITS=1, TAIL_SPLIT=1,
-                                            note=_note + "; UNIT = dW token unit"))
+                                            EPI_SPLIT=1, FLAT_UNITS=1, TAIL_SPLIT=1, PER_TILE=1,
+                                            note=_note + "; UNIT = dW token unit; PER_TILE: runs beside dX"))
     register("linear_dbias", _dt, "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note="by design; ran, not timed"))
 for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):
     register(_op, "fp32", "sm90", _cfg(4, 3, BLOCK_I=64, BLOCK_J=64, BLOCK_R=32, GROUP_I=8, UNIT=_unit, TMA=1,

@@ -200,7 +200,8 @@ def test_tma_variant_under_interpreter(dtype):
 @pytest.mark.parametrize("op", ["linear_fwd", "linear_dx", "linear_dw"])
 @pytest.mark.parametrize(("rows", "cols"), [(56, 56), (64, 16), (16, 16), (48, 48), (56, 24)])
 def test_tma_tail_split_moves_no_arithmetic(op, rows, cols):
-    """Half-width tiles for the walk's last round give every element the bits of whole tiles.
+    """Half-width tiles for the walk's last round, and one program per tile (PER_TILE), give every
+    element the bits of the walk over whole tiles.
 
     The output is rows x cols in 16 x 16 tiles walked by 3 programs under the interpreter: 16 tiles
     (tail 1: split, and the last column tile's right half lies past cols), 4 (tail 1, split), 1 (fewer
@@ -217,7 +218,8 @@ def test_tma_tail_split_moves_no_arithmetic(op, rows, cols):
     whole = runs[op](_with(cfg, TAIL_SPLIT=0))
     assert whole.shape == (rows, cols)
     assert_bitwise_equal(runs[op](cfg), whole, f"{op} split tail vs whole tiles")
-    assert_bitwise_equal(runs[op](_with(cfg, TMA=0)), whole, f"{op} TMA walk vs one program per tile")
+    assert_bitwise_equal(runs[op](_with(cfg, PER_TILE=1)), whole, f"{op} one TMA program per tile vs the walk")
+    assert_bitwise_equal(runs[op](_with(cfg, TMA=0)), whole, f"{op} TMA walk vs the pointer kernel")
 
 
 @pytest.mark.parametrize("variant", ["pointer", "tma", "tma_flat"])

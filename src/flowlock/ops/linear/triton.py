@@ -345,16 +345,21 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _tma_flags(cfg: LaunchConfig) -> tuple[bool, bool, bool, bool]:
-    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, TAIL_SPLIT)`` of a TMA config, each optional (absent: off)."""
+def _tma_flags(cfg: LaunchConfig) -> tuple[bool, ...]:
+    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, TAIL_SPLIT, PER_TILE)`` of a TMA config, each optional
+    (absent: off)."""
     blocks = dict(cfg.blocks)
-    return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS", "TAIL_SPLIT"))
+    return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS", "TAIL_SPLIT",
+                                                         "PER_TILE"))
 
 
-def tma_programs(tiles: int, processors: int, tail_split: bool) -> int:
-    """Persistent programs for ``tiles`` output tiles on ``processors`` SMs: one per SM, or one per
-    tile when there are fewer, or one per half tile when TAIL_SPLIT halves them all within one round
-    (the kernel's ``_split_tail`` then takes every tile as the tail)."""
+def tma_programs(tiles: int, processors: int, tail_split: bool, per_tile: bool = False) -> int:
+    """Programs of the TMA walk for ``tiles`` output tiles on ``processors`` SMs. Persistent: one per
+    SM, or one per tile when there are fewer, or one per half tile when TAIL_SPLIT halves them all
+    within one round (the kernel's ``_split_tail`` then takes every tile as the tail). PER_TILE: one
+    per tile, which the GPU schedules onto SMs as they free up (a product running beside another)."""
+    if per_tile:
+        return tiles
     if tiles >= processors:
         return processors
     return 2 * tiles if tail_split and 2 * tiles <= processors else tiles
@@ -415,14 +420,14 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
     fp32_dot, compensated, soft_bf16 = _arithmetic(a, b, c)
     bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
-    epi_split, flatten, flat_units, tail_split = _tma_flags(cfg)
+    epi_split, flatten, flat_units, tail_split, per_tile = _tma_flags(cfg)
     descriptors = (TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br]),
                    TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj]),
                    TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj]),
                    TensorDescriptor.from_tensor(b, [bj // 2, br] if b_t else [br, bj // 2]),
                    TensorDescriptor.from_tensor(c, [bi, bj // 2]))
     programs = tma_programs(tiles, _num_programs(c.device.index or 0) if c.is_cuda else _INTERP_PROGRAMS,
-                            tail_split)
+                            tail_split, per_tile)
     args = (*descriptors, bias_arg, i_dim, j_dim, r_dim)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=cfg["UNIT"], FP32_DOT=fp32_dot,
                   COMPENSATED=compensated, SOFT_BF16=soft_bf16, EPI_SPLIT=epi_split, FLATTEN=flatten,
@@ -472,6 +477,43 @@ def linear_dw(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, out_dty
     out = torch.empty((n, k), dtype=out_dtype, device=dy.device)
     cfg = config or lookup("linear_dw", weight, dy, x2d)
     return _gemm(dy, True, x2d, False, out, None, cfg)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
+def linear_dx_dw(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, dx_dtype: torch.dtype,
+                 dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear_dx(dy, weight, dx_dtype), linear_dw(dy, x2d, weight, dw_dtype))``: the same kernels,
+    configs and bits, and on a GPU, when dW's config is PER_TILE, run side by side.
+
+    dX goes to the current stream as a persistent walk, dW to a side stream as one program per tile,
+    so dW's tiles take the SMs that dX's last round leaves idle (at M = 925 dX of q / k / v and fc1 is
+    168 tiles of 128 x 256 on 132 SMs); the current stream waits for dW before this returns. The two
+    write separate outputs, so running them together moves no arithmetic. Both outputs are allocated
+    on the current stream, and the inputs stay alive until it has waited, so no buffer is reused while
+    the side stream reads it. A CUDA graph captures the fork and the join.
+    """
+    cfg = lookup("linear_dw", weight, dy, x2d)
+    if not dy.is_cuda or dy.shape[0] == 0 or not _tma_flags(cfg)[4]:
+        return linear_dx(dy, weight, dx_dtype), linear_dw(dy, x2d, weight, dw_dtype, cfg)
+    main = torch.cuda.current_stream(dy.device)
+    side = _side_stream(dy.device)
+    dw = torch.empty(weight.shape, dtype=dw_dtype, device=dy.device)
+    side.wait_stream(main)
+    dx = linear_dx(dy, weight, dx_dtype)
+    with torch.cuda.stream(side):
+        _gemm(dy, True, x2d, False, dw, None, cfg)
+    main.wait_stream(side)
+    return dx, dw
 
 
 def linear_dbias(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
@@ -524,6 +566,18 @@ def _(dy, x2d, weight, out_dtype):
     return weight.new_empty(weight.shape, dtype=out_dtype)
 
 
+@kernel_op("flowlock::linear_bwd_dx_dw")
+def _linear_bwd_dx_dw_op(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, dx_dtype: torch.dtype,
+                         dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX and dW as one opaque op (see :func:`linear_dx_dw`)."""
+    return linear_dx_dw(dy, x2d, weight, dx_dtype, dw_dtype)
+
+
+@_linear_bwd_dx_dw_op.register_fake
+def _(dy, x2d, weight, dx_dtype, dw_dtype):
+    return dy.new_empty((dy.shape[0], weight.shape[1]), dtype=dx_dtype), weight.new_empty(weight.shape, dtype=dw_dtype)
+
+
 @kernel_op("flowlock::linear_bwd_dbias")
 def _linear_bwd_dbias_op(dy: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """dBias as one opaque op (see :func:`linear_dbias`)."""
@@ -561,11 +615,14 @@ class LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if traced():
             dx_fn, dw_fn, db_fn = _linear_bwd_dx_op, _linear_bwd_dw_op, _linear_bwd_dbias_op
+            dx_dw_fn = _linear_bwd_dx_dw_op
         else:
-            dx_fn, dw_fn, db_fn = linear_dx, linear_dw, linear_dbias
-        if ctx.needs_input_grad[0]:
+            dx_fn, dw_fn, db_fn, dx_dw_fn = linear_dx, linear_dw, linear_dbias, linear_dx_dw
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dx, dw = dx_dw_fn(dy, x2d, weight, x2d.dtype, weight.dtype)
+        elif ctx.needs_input_grad[0]:
             dx = dx_fn(dy, weight, x2d.dtype)
-        if ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[1]:
             dw = dw_fn(dy, x2d, weight, weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = db_fn(dy, weight, ctx.bias_dtype)

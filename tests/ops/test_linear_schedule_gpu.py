@@ -1,8 +1,9 @@
-"""linear's split tail on a Hopper GPU: at H3's shapes, the frozen configs with TAIL_SPLIT (the walk's
-partial last round as half-width tiles) give the bits of the same configs without it, and rows keep
-their bits across token counts whose walks split differently.
+"""How linear's tiles are scheduled moves no arithmetic, on a Hopper GPU at H3's shapes: the frozen
+configs with TAIL_SPLIT (the walk's partial last round as half-width tiles) give the bits of the same
+configs without it, rows keep their bits across token counts whose walks split differently, and dW
+on a side stream beside dX (``linear_dx_dw``, PER_TILE) gives the bits of the two run one by one.
 
-    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_tail_gpu.py
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_schedule_gpu.py
 """
 
 import dataclasses
@@ -28,6 +29,11 @@ TOKENS = (925, 4253, 64)
 
 def _without_tail_split(cfg):
     blocks = dict(cfg.blocks) | {"TAIL_SPLIT": 0}
+    return dataclasses.replace(cfg, blocks=tuple(sorted(blocks.items())))
+
+
+def _persistent(cfg):
+    blocks = dict(cfg.blocks) | {"PER_TILE": 0}
     return dataclasses.replace(cfg, blocks=tuple(sorted(blocks.items())))
 
 
@@ -72,3 +78,24 @@ def test_rows_keep_their_bits_across_token_counts(name):
     small = _products(x[:925], w, dy[:925], split=True)
     assert torch.equal(big[0][:925], small[0]), f"{name} forward rows"
     assert torch.equal(big[1][:925], small[1]), f"{name} dX rows"
+
+
+@pytest.mark.parametrize("name", ["q", "out", "fc1", "fc2"])
+def test_dw_beside_dx_keeps_the_bits(name):
+    """``linear_dx_dw`` (dW on a side stream, one program per tile) against dX then dW on the current
+    stream, dW as the persistent walk; also behind a busy current stream, whose pending work the side
+    stream must wait for (the inputs are written there just before)."""
+    n, k = SHAPES[name]
+    for m in (925, 4253):
+        x, w, dy = _operands(m, n, k, seed=2)
+        cfg = lt.lookup("linear_dw", w, dy, x)
+        assert dict(cfg.blocks).get("PER_TILE"), "the sm90 dW config runs beside dX"
+        dx_alone = lt.linear_dx(dy, w, BF16)
+        dw_alone = lt.linear_dw(dy, x, w, BF16, config=_persistent(cfg))
+        dx, dw = lt.linear_dx_dw(dy, x, w, BF16, BF16)
+        assert torch.equal(dx, dx_alone) and torch.equal(dw, dw_alone), f"{name} M={m}"
+        dy2 = torch.empty_like(dy)
+        torch.cuda._sleep(50_000_000)
+        dy2.copy_(dy)
+        dx2, dw2 = lt.linear_dx_dw(dy2, x, w, BF16, BF16)
+        assert torch.equal(dx2, dx_alone) and torch.equal(dw2, dw_alone), f"{name} M={m} behind a busy stream"
