@@ -26,6 +26,8 @@ from flowlock.ops.linear import linear
 from flowlock.ops.linear import triton as lt
 
 SHAPES = {"qkv": (21504, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336)}
+# --beside: the layers whose dX and dW the model runs (q, k and v are separate linears there)
+BESIDE_SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336)}
 MS = (4096, 16384, 32768)
 # --smoke: the same script on tiny shapes under the Triton interpreter (TRITON_INTERPRET=1), CPU.
 SMOKE_SHAPES = {"qkv": (48, 32), "out": (32, 40), "fc1": (64, 32), "fc2": (32, 48)}
@@ -45,6 +47,8 @@ def _extra(parser):
                         help="skip the checks and the frozen-config cases (a sweep run alone)")
     parser.add_argument("--sweep-candidates", type=int, nargs="*", default=None,
                         help="time just these candidate indices (0: the frozen config, 1: it without TAIL_SPLIT)")
+    parser.add_argument("--beside", action="store_true",
+                        help="time dW beside dX (linear_dx_dw) against the two one by one (at --sweep-m)")
     parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop timing new cases after this")
 
@@ -247,6 +251,31 @@ def _sweep(device, shapes, ms, t_end, ops, chosen=None) -> list[dict]:
     return results
 
 
+def _beside(device, shapes, ms, t_end) -> list[dict]:
+    """dX and dW of one layer: ``linear_dx_dw`` (dW on a side stream, one program per tile) against
+    dX then dW on one stream with dW's persistent walk; same bits (checked), times idle and queued."""
+    results = []
+    for m in ms:
+        for name, (n, k) in shapes.items():
+            if time.perf_counter() > t_end:
+                return results
+            x, w, dy = _operands(m, n, k, device)
+            cfg = launch_config("linear_dw", BF16, arch_of(w), (n, k))
+            serial_cfg = dataclasses.replace(cfg, blocks=tuple(sorted((dict(cfg.blocks) | {"PER_TILE": 0}).items())))
+            beside = lambda _, x=x, w=w, dy=dy: lt.linear_dx_dw(dy, x, w, BF16, BF16)
+            serial = lambda _, x=x, w=w, dy=dy, c=serial_cfg: (lt.linear_dx(dy, w, BF16),
+                                                                 lt.linear_dw(dy, x, w, BF16, config=c))
+            got, want = beside(None), serial(None)
+            row = {"shape": name, "m": m, "same_bits": _eq(got[0], want[0]) and _eq(got[1], want[1])}
+            for mode, queued in (("idle", False), ("queued", True)):
+                r = harness.time_pair(beside, serial, device=device, iters=20, warmup=2, queued=queued)
+                row[mode] = {"beside_ms": r["a"]["median_ms"], "serial_ms": r["b"]["median_ms"],
+                             "beside_over_serial": r["ratio_a_over_b"]}
+            results.append(row)
+            print(name, m, row, flush=True)
+    return results
+
+
 def _section(payload, key, fn, out_path):
     """Run one part of the benchmark; a failure is recorded (and the JSON written) rather than lost."""
     try:
@@ -299,6 +328,9 @@ def main(argv=None) -> None:
 
         if not args.sweep_only_run:
             _section(payload, "cases", cases, args.out)
+        if args.beside:
+            beside_shapes = shapes if args.smoke else BESIDE_SHAPES
+            _section(payload, "beside", lambda: _beside(device, beside_shapes, args.sweep_m or ms, t_end), args.out)
         if args.sweep:
             names = args.sweep_only or (("qkv", "fc2") if args.quick else tuple(shapes))
             sweep_shapes = {k: shapes[k] for k in names}
