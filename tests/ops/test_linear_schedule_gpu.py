@@ -27,14 +27,9 @@ SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (
 TOKENS = (925, 4253, 64)
 
 
-def _without_tail_split(cfg):
-    blocks = dict(cfg.blocks) | {"TAIL_SPLIT": 0}
-    return dataclasses.replace(cfg, blocks=tuple(sorted(blocks.items())))
-
-
-def _persistent(cfg):
-    blocks = dict(cfg.blocks) | {"PER_TILE": 0}
-    return dataclasses.replace(cfg, blocks=tuple(sorted(blocks.items())))
+def _with(cfg, **blocks):
+    merged = dict(cfg.blocks) | blocks
+    return dataclasses.replace(cfg, blocks=tuple(sorted(merged.items())))
 
 
 def _operands(m, n, k, seed=0):
@@ -51,7 +46,7 @@ def _products(x, w, dy, split: bool):
             (("linear_fwd", (x, w)), ("linear_dx", (dy, w)), ("linear_dw", (dy, x)))}
     assert all(dict(c.blocks).get("TAIL_SPLIT") for c in cfgs.values()), "the sm90 configs split the tail"
     if not split:
-        cfgs = {op: _without_tail_split(c) for op, c in cfgs.items()}
+        cfgs = {op: _with(c, TAIL_SPLIT=0) for op, c in cfgs.items()}
     return (lt.linear_fwd(x, w, None, BF16, config=cfgs["linear_fwd"]),
             lt.linear_dx(dy, w, BF16, config=cfgs["linear_dx"]),
             lt.linear_dw(dy, x, w, BF16, config=cfgs["linear_dw"]))
@@ -91,7 +86,7 @@ def test_dw_beside_dx_keeps_the_bits(name):
         cfg = lt.lookup("linear_dw", w, dy, x)
         assert dict(cfg.blocks).get("PER_TILE"), "the sm90 dW config runs beside dX"
         dx_alone = lt.linear_dx(dy, w, BF16)
-        dw_alone = lt.linear_dw(dy, x, w, BF16, config=_persistent(cfg))
+        dw_alone = lt.linear_dw(dy, x, w, BF16, config=_with(cfg, PER_TILE=0))
         dx, dw = lt.linear_dx_dw(dy, x, w, BF16, BF16)
         assert torch.equal(dx, dx_alone) and torch.equal(dw, dw_alone), f"{name} M={m}"
         dy2 = torch.empty_like(dy)

@@ -353,7 +353,7 @@ def _tma_flags(cfg: LaunchConfig) -> tuple[bool, ...]:
                                                          "PER_TILE"))
 
 
-def tma_programs(tiles: int, processors: int, tail_split: bool, per_tile: bool = False) -> int:
+def tma_programs(tiles: int, processors: int, tail_split: bool, per_tile: bool) -> int:
     """Programs of the TMA walk for ``tiles`` output tiles on ``processors`` SMs. Persistent: one per
     SM, or one per tile when there are fewer, or one per half tile when TAIL_SPLIT halves them all
     within one round (the kernel's ``_split_tail`` then takes every tile as the tail). PER_TILE: one
