@@ -6,7 +6,7 @@ contiguous last dimension; the base-2 log-sum-exp ``lse2`` and ``delta`` are fp3
 
 Every program owns one (sample, head, row block) and walks the other sequence axis in ascending
 blocks of a frozen size, so an element's result depends only on the data it is a function of:
-no split-KV, no atomics, nothing keyed by the batch size or the token count.
+no split-KV, no float atomics, nothing keyed by the batch size or the token count.
 
 Rounding points (the reference follows them): scores in fp32 from input-dtype operands; softmax in
 fp32 with ``exp2`` of the scores times the fp32 constant ``scale * log2(e)``; ``P`` (against the
@@ -33,6 +33,13 @@ does, so both variants compute the same values in the same order and agree bit f
 statistics and every output are written through pointers in both. A launch whose operands a
 descriptor cannot describe (:func:`tma_eligible`, checked before the launch) runs the pointer
 variant: a fixed layout rule, never a retry after a failure, and the same bits either way.
+
+``FUSED_DQ=1`` in the dK/dV config (a sweep candidate; no frozen config sets it) folds the dQ kernel
+into the dK/dV kernel: each KV-block program adds its ``dS @ K`` to an fp32 dQ buffer when that query
+block's turn counter reaches it (``flowlock.ops._turns``), so the terms arrive in ascending KV order and
+dq, dk, dv keep the separate kernels' bits (tested on the CPU and the H200). It runs 2.2-3.2x slower
+than the separate kernels on an H200 (docs/performance.md): every turn's wait, fp32 load and release
+fence sit on the program's critical path.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from flowlock.ops._dot import dot_f32
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
+from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
 from flowlock.ops.attention.reference import LOG2E
 
 
@@ -195,9 +203,10 @@ def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
 
 @triton.jit
 def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
-                  stride_qs, stride_ds, qk_scale,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
+                  stride_qs, stride_ds, qk_scale, dq_acc, dq_out, turns, kv_block, last_kv, row_ok_n, sm_scale,
+                  stride_gs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, MASK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+                  DP_FIRST: tl.constexpr, FUSED_DQ: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     q = _load_rows(q_src, b, col, start_m, seq, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_M, TMA)
     do = _load_rows(do_src, b, col, start_m, seq, stride_ds, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_M, TMA)
@@ -218,25 +227,66 @@ def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, sta
     dv = _mma(p_t.to(k.dtype), do, dv, UPCAST)
     if not DP_FIRST:
         dp_t = _mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
+    if FUSED_DQ:
+        # KV rows past the sequence end: P = 0 there, as the dQ kernel's last KV block has it (dK
+        # and dV skip those rows at the store, so only dQ sees them; on other rows a no-op)
+        p_t = tl.where(row_ok_n[:, None], p_t, 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
-    dk = _mma(ds_t.to(k.dtype), q, dk, UPCAST)
+    ds_t = ds_t.to(k.dtype)
+    dk = _mma(ds_t, q, dk, UPCAST)
+    if FUSED_DQ:
+        _dq_turn(tl.trans(ds_t), k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_scale, stride_gs,
+                 BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST)
     return dk, dv
+
+
+@triton.jit
+def _dq_turn(ds, k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_scale, stride_gs,
+             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """Add this KV block's ``dS @ K`` to the fp32 dQ rows of query block ``start_m`` when its turn
+    comes (KV blocks ascending), and hand the turn on; the last KV block scales and rounds once and
+    writes dQ itself. ``dq_acc`` is this head's zero-started ``(query rows, BLOCK_D)`` fp32 buffer."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    turn = turns + start_m // BLOCK_M
+    # the rows' address depends on the value the wait returns (equal to kv_block), so the buffer
+    # is read after the turn arrives whatever the compiler reorders
+    rows = start_m + offs_m + (wait_turn(turn, kv_block) - kv_block)
+    acc_ptrs = dq_acc + rows.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :]
+    acc = _mma(ds, k, tl.load(acc_ptrs, cache_modifier=".cg"), UPCAST)
+    tl.store(acc_ptrs, acc, mask=(kv_block != last_kv) & (offs_m >= 0)[:, None])
+    out_ok = _in_head((start_m + offs_m) < seq, BLOCK_D, HEAD_DIM) & (kv_block == last_kv)
+    tl.store(_rows(dq_out, start_m, offs_m, stride_gs, BLOCK_D), (acc * sm_scale).to(dq_out.dtype.element_ty),
+             mask=out_ok)
+    pass_turn(turn, kv_block + 1)
 
 
 @fast_launch
 @triton.jit
-def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, qk_scale, sm_scale,
+def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, dQ, DQAcc, Turns, seq, heads, kv_blocks,
+                               qk_scale, sm_scale,
                                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                                stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                                stride_gb, stride_gs, stride_gh,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-                               DP_FIRST: tl.constexpr):
+                               DP_FIRST: tl.constexpr, FUSED_DQ: tl.constexpr):
     """One program per (KV block, sample * heads) owns its dK, dV rows; query blocks ascend.
-    ``dK`` and ``dV`` share the strides ``stride_g*``; ``Q``, ``K``, ``V``, ``dOut`` are
-    descriptors when ``TMA``."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    ``dK``, ``dV`` (and ``dQ``) share the strides ``stride_g*``; ``Q``, ``K``, ``V``, ``dOut`` are
+    descriptors when ``TMA``.
+
+    ``FUSED_DQ``: the program also adds its ``dS @ K`` to each query block's dQ, in turn (see
+    :func:`_dq_turn`), on a 1-D grid whose programs take (sample * heads, KV block) from the ticket
+    ``Turns[0]``; ``Turns[1:]`` holds one turn counter per (sample * heads, query block) and
+    ``DQAcc`` the fp32 dQ rows, all zero at launch. Otherwise ``dQ``, ``DQAcc`` and ``Turns`` are
+    unused and the grid is (KV blocks, sample * heads)."""
+    if FUSED_DQ:
+        ticket = take_ticket(Turns)
+        pid_n = ticket % kv_blocks
+        pid_bh = ticket // kv_blocks
+    else:
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
     col = h * HEAD_DIM
@@ -251,17 +301,24 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, q
     do_src = _head(dOut, b, h, stride_db, stride_dh, TMA)
     lse_base = Lse2 + pid_bh.to(tl.int64) * seq
     delta_base = Delta + pid_bh.to(tl.int64) * seq
+    q_blocks = tl.cdiv(seq, BLOCK_M)
+    dq_acc = DQAcc + pid_bh.to(tl.int64) * (q_blocks * BLOCK_M * BLOCK_D)
+    dq_out = _head(dQ, b, h, stride_gb, stride_gh, False)
+    turns = Turns + 1 + pid_bh.to(tl.int64) * q_blocks
+    last_kv = kv_blocks - 1
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m_full = (seq // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST,
-                               TMA, DP_FIRST)
+                               stride_qs, stride_ds, qk_scale, dq_acc, dq_out, turns, pid_n, last_kv, row_ok,
+                               sm_scale, stride_gs, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST, TMA,
+                               DP_FIRST, FUSED_DQ)
     if m_full < seq:
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, m_full, seq,
-                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST,
-                               TMA, DP_FIRST)
+                               stride_qs, stride_ds, qk_scale, dq_acc, dq_out, turns, pid_n, last_kv, row_ok,
+                               sm_scale, stride_gs, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST, TMA,
+                               DP_FIRST, FUSED_DQ)
     g_off = b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
     tl.store(_rows(dK + g_off, start_n, offs_n, stride_gs, BLOCK_D),
              (dk * sm_scale).to(dK.dtype.element_ty), mask=_in_head(row_ok, BLOCK_D, HEAD_DIM))
@@ -336,14 +393,16 @@ class _Tiles(NamedTuple):
     num_stages: int
     tma: bool
     dp_first: bool
+    fused_dq: bool
 
 
 def _tiles(cfg: LaunchConfig) -> _Tiles:
-    """A config without ``BLOCK_N`` (the delta kernel), ``TMA`` (pointer-only configs) or
-    ``DP_FIRST`` (backward instruction order) reads them as 0."""
+    """A config without ``BLOCK_N`` (the delta kernel), ``TMA`` (pointer-only configs),
+    ``DP_FIRST`` (backward instruction order) or ``FUSED_DQ`` (dK/dV kernel adds dQ in turn) reads
+    them as 0."""
     blocks = dict(cfg.blocks)
     return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
-                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)))
+                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), bool(blocks.get("FUSED_DQ", 0)))
 
 
 class _Frozen(NamedTuple):
@@ -438,16 +497,36 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
     common = (seq, heads, scale * LOG2E, scale, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(dout))
-    for t, grid_rows, outputs, kernel in ((dkdv_t, dkdv_t.block_n, (dk, dv), _attention_bwd_dkdv_kernel),
-                                          (dq_t, dq_t.block_m, (dq,), _attention_bwd_dq_kernel)):
-        tma = t.tma and eligible
-        kernel[(cdiv(seq, grid_rows), batch * heads)](
-            _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
-            _operand(dout, t.block_m, tma), lse2, delta, *outputs, *common, *_sbh(dq),
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
-            DP_FIRST=t.dp_first,
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+    t = dkdv_t
+    tma = t.tma and eligible
+    kv_blocks = cdiv(seq, t.block_n)
+    if t.fused_dq:
+        # the ticket, one turn counter per (sample * head, query block), the fp32 dQ rows: all zero
+        q_blocks = cdiv(seq, t.block_m)
+        turns = torch.zeros(1 + batch * heads * q_blocks, dtype=torch.int32, device=q.device)
+        dq_acc = torch.zeros((batch * heads, q_blocks * t.block_m, block_d(dim)), dtype=torch.float32,
+                             device=q.device)
+        grid = (kv_blocks * batch * heads,)
+    else:
+        turns = dq_acc = lse2
+        grid = (kv_blocks, batch * heads)
+    _attention_bwd_dkdv_kernel[grid](
+        _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
+        _operand(dout, t.block_m, tma), lse2, delta, dk, dv, dq, dq_acc, turns, seq, heads, kv_blocks,
+        *common[2:], *_sbh(dq),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
+        DP_FIRST=t.dp_first, FUSED_DQ=t.fused_dq, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    if t.fused_dq:
+        return dq, dk, dv
+    t = dq_t
+    tma = t.tma and eligible
+    _attention_bwd_dq_kernel[(cdiv(seq, t.block_m), batch * heads)](
+        _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
+        _operand(dout, t.block_m, tma), lse2, delta, dq, *common, *_sbh(dq),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
+        DP_FIRST=t.dp_first, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
     return dq, dk, dv
 
 
