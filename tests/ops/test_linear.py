@@ -222,6 +222,23 @@ def test_tma_tail_split_moves_no_arithmetic(op, rows, cols):
     assert_bitwise_equal(runs[op](_with(cfg, TMA=0)), whole, f"{op} TMA walk vs the pointer kernel")
 
 
+def test_dw_beside_dx_only_while_dx_is_few_rounds():
+    """On an H200 (132 SMs), H3's backward linears run dW beside dX at M = 925 (dX of q, out, fc1,
+    fc2: 168-448 tiles of the frozen sm90 dX tile) and one after the other, dW as the persistent walk,
+    at M = 4253 and 16384; the walk is the PER_TILE config with only that key switched off."""
+    dx_cfg = launch_config("linear_dx", BF16, "sm90")
+    dw_cfg = launch_config("linear_dw", BF16, "sm90")
+    assert dw_cfg["PER_TILE"] == 1
+    for k in (5376, 7168, 14336):  # dX widths: q / k / v and fc1, out, fc2
+        tiles = {m: -(-m // dx_cfg["BLOCK_I"]) * -(-k // dx_cfg["BLOCK_J"]) for m in (925, 4253, 16384)}
+        assert lt.runs_beside(tiles[925], 132), (k, tiles)
+        assert not lt.runs_beside(tiles[4253], 132) and not lt.runs_beside(tiles[16384], 132), (k, tiles)
+    walking = lt._walking(dw_cfg)
+    assert walking["PER_TILE"] == 0
+    assert {k: v for k, v in walking.blocks if k != "PER_TILE"} == {k: v for k, v in dw_cfg.blocks if k != "PER_TILE"}
+    assert (walking.num_warps, walking.num_stages) == (dw_cfg.num_warps, dw_cfg.num_stages)
+
+
 @pytest.mark.parametrize("variant", ["pointer", "tma", "tma_flat"])
 def test_dw_token_unit_fold_reproduces_from_unit_partials(variant):
     """SP readiness: per-unit fp32 partials computed on row slices, folded left, equal the full dW."""

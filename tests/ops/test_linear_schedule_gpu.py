@@ -77,14 +77,19 @@ def test_rows_keep_their_bits_across_token_counts(name):
 
 @pytest.mark.parametrize("name", ["q", "out", "fc1", "fc2"])
 def test_dw_beside_dx_keeps_the_bits(name):
-    """``linear_dx_dw`` (dW on a side stream, one program per tile) against dX then dW on the current
-    stream, dW as the persistent walk; also behind a busy current stream, whose pending work the side
-    stream must wait for (the inputs are written there just before)."""
+    """``linear_dx_dw`` (dW on a side stream, one program per tile, at M = 925; dX then the persistent
+    dW at M = 4253, where dX is more rounds of the SMs) against dX then dW on the current stream, dW as
+    the persistent walk; also behind a busy current stream, whose pending work the side stream must
+    wait for (the inputs are written there just before)."""
     n, k = SHAPES[name]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (925, 4253):
         x, w, dy = _operands(m, n, k, seed=2)
         cfg = lt.lookup("linear_dw", w, dy, x)
         assert dict(cfg.blocks).get("PER_TILE"), "the sm90 dW config runs beside dX"
+        dx_cfg = lt.lookup("linear_dx", w, dy, w)
+        dx_tiles = -(-m // dx_cfg["BLOCK_I"]) * -(-k // dx_cfg["BLOCK_J"])
+        assert lt.runs_beside(dx_tiles, sms) == (m == 925), f"{name} M={m}: {dx_tiles} dX tiles on {sms} SMs"
         dx_alone = lt.linear_dx(dy, w, BF16)
         dw_alone = lt.linear_dw(dy, x, w, BF16, config=_with(cfg, PER_TILE=0))
         dx, dw = lt.linear_dx_dw(dy, x, w, BF16, BF16)

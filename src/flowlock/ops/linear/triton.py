@@ -34,6 +34,7 @@ would leave 96 SMs idle for a whole tile's time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -490,26 +491,52 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+# dW runs beside dX while dX's tiles fill at most this many rounds of the SMs, so the idle part of
+# dX's last round is a large share of its time (H200, dX + dW beside / one after the other: 0.910-0.992
+# at M = 925, where dX is 168-448 tiles); above it dX then the persistent dW walk is as fast or faster
+# (0.999-1.012 at M = 4253 and 16384: one program per tile loses a little to the walk). A schedule
+# decided from tile counts, like the persistent grid: both give the same bits
+# (tests/ops/test_linear_schedule_gpu.py).
+BESIDE_MAX_ROUNDS = 4
+
+
+def runs_beside(dx_tiles: int, processors: int) -> bool:
+    """Whether :func:`linear_dx_dw` runs dW beside a dX of ``dx_tiles`` tiles on ``processors`` SMs."""
+    return dx_tiles <= BESIDE_MAX_ROUNDS * processors
+
+
+@functools.cache
+def _walking(cfg: LaunchConfig) -> LaunchConfig:
+    """``cfg`` with PER_TILE off: the persistent walk (same kernel and bits)."""
+    return dataclasses.replace(cfg, blocks=tuple((k, 0 if k == "PER_TILE" else v) for k, v in cfg.blocks))
+
+
 def linear_dx_dw(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, dx_dtype: torch.dtype,
                  dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear_dx(dy, weight, dx_dtype), linear_dw(dy, x2d, weight, dw_dtype))``: the same kernels,
-    configs and bits, and on a GPU, when dW's config is PER_TILE, run side by side.
+    """``(linear_dx(dy, weight, dx_dtype), linear_dw(dy, x2d, weight, dw_dtype))``: the same kernels
+    and bits, and on a GPU, when dW's config is PER_TILE and dX is few tiles (:func:`runs_beside`),
+    run side by side.
 
     dX goes to the current stream as a persistent walk, dW to a side stream as one program per tile,
     so dW's tiles take the SMs that dX's last round leaves idle (at M = 925 dX of q / k / v and fc1 is
     168 tiles of 128 x 256 on 132 SMs); the current stream waits for dW before this returns. The two
     write separate outputs, so running them together moves no arithmetic. Both outputs are allocated
     on the current stream, and the inputs stay alive until it has waited, so no buffer is reused while
-    the side stream reads it. A CUDA graph captures the fork and the join.
+    the side stream reads it. A CUDA graph captures the fork and the join. With more dX tiles, dX then
+    dW as the persistent walk, on the current stream.
     """
     cfg = lookup("linear_dw", weight, dy, x2d)
     if not dy.is_cuda or dy.shape[0] == 0 or not _tma_flags(cfg)[4]:
         return linear_dx(dy, weight, dx_dtype), linear_dw(dy, x2d, weight, dw_dtype, cfg)
+    dx_cfg = lookup("linear_dx", weight, dy, weight)
+    dx_tiles = (-(-dy.shape[0] // dx_cfg["BLOCK_I"])) * (-(-weight.shape[1] // dx_cfg["BLOCK_J"]))
+    if not runs_beside(dx_tiles, _num_programs(dy.device.index or 0)):
+        return linear_dx(dy, weight, dx_dtype, dx_cfg), linear_dw(dy, x2d, weight, dw_dtype, _walking(cfg))
     main = torch.cuda.current_stream(dy.device)
     side = _side_stream(dy.device)
     dw = torch.empty(weight.shape, dtype=dw_dtype, device=dy.device)
     side.wait_stream(main)
-    dx = linear_dx(dy, weight, dx_dtype)
+    dx = linear_dx(dy, weight, dx_dtype, dx_cfg)
     with torch.cuda.stream(side):
         _gemm(dy, True, x2d, False, dw, None, cfg)
     main.wait_stream(side)
