@@ -239,10 +239,30 @@ def plot_launch_host(payload: dict, path: Path) -> Path:
     return _save(fig, path, 120)
 
 
+def plot_memory_bound(payload: dict, path: Path) -> Path:
+    """Each memory-bound op and phase as a share of a copy of its bytes (1.0: as fast as the copy),
+    one bar per token count."""
+    plt = _pyplot()
+    seqs = payload["settings"]["seqs"]
+    labels = list(dict.fromkeys(f"{r['op']} {r['phase']}" for r in payload["rows"]))
+    share = {(f"{r['op']} {r['phase']}", r["S"]): r["of_copy"] for r in payload["rows"]}
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(labels)), 4.5))
+    width = 0.8 / len(seqs)
+    for i, s in enumerate(seqs):
+        xs = [x + (i - (len(seqs) - 1) / 2) * width for x in range(len(labels))]
+        ax.bar(xs, [share.get((label, s), 0.0) for label in labels], width=width, label=f"S = {s}")
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xticks(list(range(len(labels))), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("copy time of the same bytes / op time")
+    ax.legend(fontsize=7)
+    fig.suptitle(_title(payload), fontsize=9)
+    return _save(fig, path, 120)
+
+
 TPS_TICKS = (1, 2, 4, 8)
 PLOTTERS = {"conditioning": plot_conditioning, "block": plot_block, "linear": plot_linear,
             "attention": plot_attention, "model": plot_model, "tp_designs": plot_tp_designs,
-            "launch_host": plot_launch_host}
+            "launch_host": plot_launch_host, "memory_bound": plot_memory_bound}
 
 
 def _kind(payload: dict) -> str | None:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("conditioning", "block", "linear", "attention", "tp_designs", "launch_host", "model")
+BENCHMARKS = ("conditioning", "block", "linear", "attention", "tp_designs", "launch_host", "memory_bound", "model")
 # Run only when named: the full-depth model needs a whole H200 and several device calls.
 NAMED_ONLY = ("model",)
 

@@ -1,0 +1,48 @@
+"""``benchmarks/bench_memory_bound.py --smoke`` end to end on CPU: every op and phase is timed against
+a copy of its bytes, the bytes follow the widths, rows carry their modality's table row, and the
+result plots."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("bench_memory_bound", BENCH / "bench_memory_bound.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_modality_rows_follow_bench_model_layout(monkeypatch):
+    bench = _bench(monkeypatch)
+    index = bench._modality_index(4253, torch.device("cpu"))
+    assert index.tolist() == [0] * (4253 - 256 - 265) + [1] * 265 + [2] * 256
+
+
+def test_smoke_run_times_every_op_against_a_copy(tmp_path, monkeypatch):
+    bench = _bench(monkeypatch)
+    import plot
+
+    out = tmp_path / "memory_bound.json"
+    assert bench.main(["--smoke", "--skip-gate", "--device", "cpu", "--iters", "20", "--warmup", "0",
+                       "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    phases = [(r["op"], r["phase"]) for r in report["rows"]]
+    assert phases == [(op, phase) for op in ("rms_norm_modulate", "qk_norm_rope", "gate_residual", "swiglu")
+                      for phase in ("forward", "backward")] + [("segment_sum", "forward")]
+    w, s = bench.SMOKE, bench.SMOKE_SEQS[0]
+    by = {(r["op"], r["phase"]): r for r in report["rows"]}
+    assert by["swiglu", "forward"]["bytes"] == 3 * s * w.ffn * 2
+    assert by["qk_norm_rope", "backward"]["bytes"] == 3 * s * w.heads * w.head_dim * 2 + 2 * s * w.rope * 4
+    for row in report["rows"]:
+        assert row["S"] == s and row["ms"] > 0 and row["copy_ms"] > 0, row
+        assert row["of_copy"] == row["copy_ms"] / row["ms"]
+    png = plot.plot(out)
+    assert png.read_bytes()[:4] == b"\x89PNG"
