@@ -29,5 +29,7 @@ want attention && step attention "${ATTN_S:-150}" python3 benchmarks/bench_atten
     --out "$OUT/attention.json" ${ATTN_ARGS:-}
 want linear && step linear "${LINEAR_S:-150}" python3 benchmarks/bench_linear.py --skip-gate \
     --out "$OUT/linear.json" ${LINEAR_ARGS:-}
+want memory_bound && step memory_bound "${MEMORY_BOUND_S:-150}" python3 benchmarks/bench_memory_bound.py --skip-gate \
+    --out "$OUT/memory_bound.json" ${MEMORY_BOUND_ARGS:-}
 want demo && step demo "${DEMO_S:-90}" python3 -m flowlock demo --device cuda --width full --layers 2 --seq 1024 \
     --json "$OUT/demo_gpu.json" --plot "$OUT/demo_gpu.png"
