@@ -194,7 +194,8 @@ for _dt in ("bf16", "fp16", "fp32"):
 # cuBLAS at M = 4096/16384/32768, best worst-case ratio kept (benchmarks/results/linear_h200_run2.json).
 _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
 # TAIL_SPLIT (half-width tiles for a partial last round of the persistent walk) and PER_TILE (one program
-# per tile, for dW on a side stream beside dX: flowlock.ops.linear.triton.linear_dx_dw) move no arithmetic.
+# per tile, for dW on a side stream beside dX while dX is at most 4 rounds of the SMs; the persistent walk
+# after dX otherwise: flowlock.ops.linear.triton.linear_dx_dw, runs_beside) move no arithmetic.
 # fp16 takes the bf16 tiles untimed: the same operand bytes and tensor-core rate, the same fp32 accumulator
 for _dt in ("bf16", "fp16"):
     _note = _LINEAR_SM90 if _dt == "bf16" else "bf16 tiles, untimed for fp16"
