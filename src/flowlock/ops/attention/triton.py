@@ -496,7 +496,8 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
-    common = (seq, heads, scale * LOG2E, scale, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(dout))
+    # the scales and the q, k, v, dO, grad strides both kernels take after their own leading arguments
+    common = (scale * LOG2E, scale, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(dout), *_sbh(dq))
     t = dkdv_t
     tma = t.tma and eligible
     kv_blocks = cdiv(seq, t.block_n)
@@ -513,7 +514,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     _attention_bwd_dkdv_kernel[grid](
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
         _operand(dout, t.block_m, tma), lse2, delta, dk, dv, dq, dq_acc, turns, seq, heads, kv_blocks,
-        *common[2:], *_sbh(dq),
+        *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
         DP_FIRST=t.dp_first, FUSED_DQ=t.fused_dq, num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -523,7 +524,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     tma = t.tma and eligible
     _attention_bwd_dq_kernel[(cdiv(seq, t.block_m), batch * heads)](
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
-        _operand(dout, t.block_m, tma), lse2, delta, dq, *common, *_sbh(dq),
+        _operand(dout, t.block_m, tma), lse2, delta, dq, seq, heads, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
         DP_FIRST=t.dp_first, num_warps=t.num_warps, num_stages=t.num_stages,
     )
