@@ -48,6 +48,7 @@ from flowlock.ops._dot import add_compensated, dot_f32
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import traced
+from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
 # walks several tiles per program in CPU tests.
@@ -199,6 +200,24 @@ def _tma_dot_units_flat(a_desc, b_desc, oi, oj, R, acc, A_T: tl.constexpr, B_T: 
 
 
 @triton.jit
+def _tma_epilogue(acc, c_desc, bias_ptr, oi, oj, J, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
+                  EPI_SPLIT: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Bias, one rounding and the store of the finished (BLOCK_I, BLOCK_J) tile at (oi, oj)."""
+    if HAS_BIAS:
+        offs_j = oj + tl.arange(0, BLOCK_J)
+        bias = tl.load(bias_ptr + offs_j, mask=offs_j < J, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    c = _to_out(acc, c_desc.dtype, SOFT_BF16)
+    if EPI_SPLIT:
+        halves = tl.permute(tl.reshape(c, (BLOCK_I, 2, BLOCK_J // 2)), (0, 2, 1))
+        c0, c1 = tl.split(halves)
+        c_desc.store([oi, oj], c0)
+        c_desc.store([oi, oj + BLOCK_J // 2], c1)
+    else:
+        c_desc.store([oi, oj], c)
+
+
+@triton.jit
 def _tma_tile(a_desc, b_desc, c_desc, bias_ptr, oi, oj, J, R, A_T: tl.constexpr, B_T: tl.constexpr,
               HAS_BIAS: tl.constexpr, UNIT: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr,
               SOFT_BF16: tl.constexpr, EPI_SPLIT: tl.constexpr, FLAT_UNITS: tl.constexpr,
@@ -216,18 +235,63 @@ def _tma_tile(a_desc, b_desc, c_desc, bias_ptr, oi, oj, J, R, A_T: tl.constexpr,
             part = _tma_dot_range(a_desc, b_desc, oi, oj, u, tl.minimum(u + UNIT, R), part, A_T, B_T,
                                   BLOCK_R, FP32_DOT, COMPENSATED)
             acc = acc + part
-    if HAS_BIAS:
-        offs_j = oj + tl.arange(0, BLOCK_J)
-        bias = tl.load(bias_ptr + offs_j, mask=offs_j < J, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
-    c = _to_out(acc, c_desc.dtype, SOFT_BF16)
-    if EPI_SPLIT:
-        halves = tl.permute(tl.reshape(c, (BLOCK_I, 2, BLOCK_J // 2)), (0, 2, 1))
-        c0, c1 = tl.split(halves)
-        c_desc.store([oi, oj], c0)
-        c_desc.store([oi, oj + BLOCK_J // 2], c1)
-    else:
-        c_desc.store([oi, oj], c)
+    _tma_epilogue(acc, c_desc, bias_ptr, oi, oj, J, HAS_BIAS, SOFT_BF16, EPI_SPLIT, BLOCK_I, BLOCK_J)
+
+
+@triton.jit
+def _chain_slot(chain_ptr, slot, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Pointers to the fp32 (BLOCK_I, BLOCK_J) accumulator slot ``slot`` of the chain workspace."""
+    offs = tl.arange(0, BLOCK_I)[:, None] * BLOCK_J + tl.arange(0, BLOCK_J)[None, :]
+    return chain_ptr + slot.to(tl.int64) * (BLOCK_I * BLOCK_J) + offs
+
+
+@triton.jit
+def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program, first_tile, sk_tiles, n_i, n_j,
+                    J, R, A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
+                    SOFT_BF16: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_I: tl.constexpr,
+                    BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_I: tl.constexpr,
+                    NUM_PROGRAMS: tl.constexpr):
+    """This program's share of the stream-K tiles ``first_tile .. first_tile + sk_tiles``.
+
+    Their ``sk_tiles * n_k`` BLOCK_R steps, tile after tile, are cut into NUM_PROGRAMS equal runs,
+    one per program in ticket order; ``sk_tiles >= NUM_PROGRAMS`` makes a run at least one tile
+    long, so a tile is cut at most once. A cut tile's steps stay one accumulation chain: the
+    program holding its first steps (the *head*) runs them from zero and publishes the fp32
+    accumulator, and the next program continues the chain from exactly those values (the *tail*),
+    then rounds and stores. The values pass through memory unchanged, so every element is the same
+    chain of ``tl.dot`` steps as in a whole tile, and its bits do not depend on where the cut falls.
+    The head runs first and the tail last, so the wait is for work the previous program started
+    with (it already holds its ticket).
+    """
+    n_k = tl.cdiv(R, BLOCK_R)
+    total = sk_tiles * n_k
+    start = (program * total) // NUM_PROGRAMS
+    end = ((program + 1) * total) // NUM_PROGRAMS
+    first = start // n_k
+    first_step = start - first * n_k
+    last = (end - 1) // n_k
+    last_steps = end - last * n_k
+    if last_steps < n_k:
+        pid_i, pid_j = _tile_coords(first_tile + last, n_i, n_j, GROUP_I)
+        head = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+        head = _tma_dot_range(a_desc, b_desc, pid_i * BLOCK_I, pid_j * BLOCK_J, 0, last_steps * BLOCK_R, head,
+                              A_T, B_T, BLOCK_R, FP32_DOT, False)
+        tl.store(_chain_slot(chain_ptr, program, BLOCK_I, BLOCK_J), head)
+        pass_turn(turns + 1 + program, 1)
+    whole_hi = tl.where(last_steps < n_k, last, last + 1)
+    for t in tl.range(first + (first_step > 0), whole_hi):
+        pid_i, pid_j = _tile_coords(first_tile + t, n_i, n_j, GROUP_I)
+        _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T, HAS_BIAS,
+                  0, FP32_DOT, False, SOFT_BF16, EPI_SPLIT, False, BLOCK_I, BLOCK_J, BLOCK_R)
+    if first_step > 0:
+        pid_i, pid_j = _tile_coords(first_tile + first, n_i, n_j, GROUP_I)
+        # the slot's address depends on the value the wait returns (1), so it is read after the turn
+        slot = program - 2 + wait_turn(turns + program, 1)
+        acc = tl.load(_chain_slot(chain_ptr, slot, BLOCK_I, BLOCK_J))
+        acc = _tma_dot_range(a_desc, b_desc, pid_i * BLOCK_I, pid_j * BLOCK_J, first_step * BLOCK_R, R, acc,
+                             A_T, B_T, BLOCK_R, FP32_DOT, False)
+        _tma_epilogue(acc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, HAS_BIAS, SOFT_BF16, EPI_SPLIT,
+                      BLOCK_I, BLOCK_J)
 
 
 @triton.jit
@@ -242,12 +306,12 @@ def _split_tail(tiles, NUM_PROGRAMS: tl.constexpr, TAIL_SPLIT: tl.constexpr):
 
 @fast_launch
 @triton.jit
-def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bias_ptr, I, J, R,
+def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bias_ptr, chain_ptr, turns, I, J, R,
                             A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
                             UNIT: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr,
                             SOFT_BF16: tl.constexpr,
                             EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, FLAT_UNITS: tl.constexpr,
-                            TAIL_SPLIT: tl.constexpr,
+                            TAIL_SPLIT: tl.constexpr, STREAM_K: tl.constexpr,
                             BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
                             GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """TMA variant: persistent programs walk the grouped tile order with stride NUM_PROGRAMS.
@@ -261,20 +325,39 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bi
 
     TAIL_SPLIT: when the walk's last round would leave most programs idle (tail tiles t with
     2 t <= NUM_PROGRAMS), those t tiles run as 2 t half-width tiles, one per program, so the round
-    takes about half a tile's time. None of these moves any arithmetic: an element's bits depend only
-    on its row of A, its column of B and BLOCK_R, not on the tile that holds it.
+    takes about half a tile's time.
+
+    STREAM_K (one unit, no compensation; the launcher sets it only when the tiles are more than one
+    round and not whole rounds): the walk stops one round before its partial last round, and the
+    last ``NUM_PROGRAMS + tiles % NUM_PROGRAMS`` tiles are shared out in equal runs of BLOCK_R steps
+    (:func:`_stream_k_share`), so every program ends at the same time. Programs take their index from
+    the ticket ``turns[0]``; ``turns[1 + p]`` says program p's head accumulator is in slot p of the
+    fp32 workspace ``chain_ptr`` (NUM_PROGRAMS, BLOCK_I, BLOCK_J). Both start zeroed.
+
+    None of these moves any arithmetic: an element's bits depend only on its row of A, its column of
+    B and BLOCK_R, not on the tile or program that holds it or where its chain is cut.
     """
     n_i = tl.cdiv(I, BLOCK_I)
     n_j = tl.cdiv(J, BLOCK_J)
     tiles = n_i * n_j
-    tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
-    for tile in tl.range(tl.program_id(0), tiles - tail, NUM_PROGRAMS, flatten=FLATTEN):
+    if STREAM_K:
+        program = take_ticket(turns)
+        walked = tiles - NUM_PROGRAMS - tiles % NUM_PROGRAMS
+    else:
+        program = tl.program_id(0)
+        walked = tiles - _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+    for tile in tl.range(program, walked, NUM_PROGRAMS, flatten=FLATTEN):
         pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
         _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T, HAS_BIAS,
                   UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, EPI_SPLIT, FLAT_UNITS, BLOCK_I, BLOCK_J, BLOCK_R)
-    if TAIL_SPLIT:
-        for half in tl.range(tl.program_id(0), 2 * tail, NUM_PROGRAMS):
-            pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+    if STREAM_K:
+        _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program, walked, tiles - walked, n_i,
+                        n_j, J, R, A_T, B_T, HAS_BIAS, FP32_DOT, SOFT_BF16, EPI_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R,
+                        GROUP_I, NUM_PROGRAMS)
+    elif TAIL_SPLIT:
+        tail = tiles - walked
+        for half in tl.range(program, 2 * tail, NUM_PROGRAMS):
+            pid_i, pid_j = _tile_coords(walked + half // 2, n_i, n_j, GROUP_I)
             oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
             if oj < J:  # the right half of the last column tile may lie wholly past J
                 _tma_tile(a_desc, b_half_desc, c_half_desc, bias_ptr, pid_i * BLOCK_I, oj, J, R, A_T, B_T,
@@ -339,6 +422,14 @@ def lookup(op: str, weight: torch.Tensor, *operands: torch.Tensor) -> LaunchConf
     return config_for(op, weight, tuple(weight.shape), _config_dtype(*operands))
 
 
+def _chain_workspace(c: torch.Tensor, programs: int, cfg: LaunchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stream-K launch's fp32 head accumulators, one (BLOCK_I, BLOCK_J) slot per program, and its
+    int32 ticket and turn flags, zeroed. Fresh per launch from the current stream's allocator, so
+    launches on different streams (dW beside dX) or replayed in CUDA graphs never share one."""
+    chain = torch.empty((programs, cfg["BLOCK_I"], cfg["BLOCK_J"]), dtype=torch.float32, device=c.device)
+    return chain, torch.zeros((1 + programs,), dtype=torch.int32, device=c.device)
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0:
         return t
@@ -347,11 +438,19 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _tma_flags(cfg: LaunchConfig) -> tuple[bool, ...]:
-    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, TAIL_SPLIT, PER_TILE)`` of a TMA config, each optional
-    (absent: off)."""
+    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, TAIL_SPLIT, PER_TILE, STREAM_K)`` of a TMA config, each
+    optional (absent: off)."""
     blocks = dict(cfg.blocks)
     return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS", "TAIL_SPLIT",
-                                                         "PER_TILE"))
+                                                         "PER_TILE", "STREAM_K"))
+
+
+def streams_k(stream_k: bool, unit: int, compensated: bool, tiles: int, programs: int) -> bool:
+    """Whether a TMA launch shares its last tiles out stream-K: the config asks for it, the reduction
+    is one chain (no token units, no compensation term to carry), and the persistent walk would end in
+    a partial round (more tiles than programs, not a whole number of rounds). Decided from tile counts,
+    like the grid; the bits are those of the plain walk either way."""
+    return stream_k and unit == 0 and not compensated and tiles > programs and tiles % programs != 0
 
 
 def tma_programs(tiles: int, processors: int, tail_split: bool, per_tile: bool) -> int:
@@ -414,14 +513,15 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
                a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), torch._C._cuda_getDevice())
         plan = _TMA_PLANS.get(key)
         if plan is not None and not launch_hooked():
-            launch, programs = plan
-            launch(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, b, c, bias_arg, i_dim, j_dim,
-                   r_dim)
+            launch, programs, stream_k = plan
+            chain, turns = _chain_workspace(c, programs, cfg) if stream_k else (c, c)
+            launch(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, b, c, bias_arg, chain, turns,
+                   i_dim, j_dim, r_dim)
             return c
     fp32_dot, compensated, soft_bf16 = _arithmetic(a, b, c)
     bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
-    epi_split, flatten, flat_units, tail_split, per_tile = _tma_flags(cfg)
+    epi_split, flatten, flat_units, tail_split, per_tile, stream_k = _tma_flags(cfg)
     descriptors = (TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br]),
                    TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj]),
                    TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj]),
@@ -429,10 +529,12 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
                    TensorDescriptor.from_tensor(c, [bi, bj // 2]))
     programs = tma_programs(tiles, _num_programs(c.device.index or 0) if c.is_cuda else _INTERP_PROGRAMS,
                             tail_split, per_tile)
-    args = (*descriptors, bias_arg, i_dim, j_dim, r_dim)
+    stream_k = streams_k(stream_k, cfg["UNIT"], compensated, tiles, programs)
+    chain, turns = _chain_workspace(c, programs, cfg) if stream_k else (c, c)
+    args = (*descriptors, bias_arg, chain, turns, i_dim, j_dim, r_dim)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=cfg["UNIT"], FP32_DOT=fp32_dot,
                   COMPENSATED=compensated, SOFT_BF16=soft_bf16, EPI_SPLIT=epi_split, FLATTEN=flatten,
-                  FLAT_UNITS=flat_units, TAIL_SPLIT=tail_split, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br,
+                  FLAT_UNITS=flat_units, TAIL_SPLIT=tail_split, STREAM_K=stream_k, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br,
                   GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     _linear_gemm_tma_kernel[(programs,)](*args, **kwargs)
@@ -441,7 +543,7 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
         if isinstance(prepared, DescriptorLaunch):
             if len(_TMA_PLANS) >= _MAX_TMA_PLANS:
                 _TMA_PLANS.clear()
-            _TMA_PLANS[key] = (prepared, programs)
+            _TMA_PLANS[key] = (prepared, programs, stream_k)
     return c
 
 
