@@ -16,7 +16,13 @@ pytestmark = [
 ]
 
 
-def _operands(dtype, bias, seed, m=925, n=1536, k=512, row_stride=640):
+# (N, K, x's row stride): a small layer (forward 48 tiles, fewer than the SMs), and one whose bf16
+# forward and dX at M = 925 are 224 and 168 tiles (stream-K launches: fresh chain workspace per relaunch).
+SIZES = {"small": (1536, 512, 640), "q": (7168, 5376, 5504)}
+
+
+def _operands(dtype, bias, seed, size="small", m=925):
+    n, k, row_stride = SIZES[size]
     g = torch.Generator(device="cuda").manual_seed(seed)
     # x is a column slice of a wider buffer: a row stride that is not its width.
     x = torch.randn(m, row_stride, generator=g, device="cuda").to(dtype)[:, :k]
@@ -40,24 +46,25 @@ def _through_triton(x, w, b, dy):
     return out
 
 
+@pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
-def test_relaunch_keeps_the_bits_of_tritons_launch(dtype, bias, monkeypatch):
-    first = _operands(dtype, bias, seed=0)
+def test_relaunch_keeps_the_bits_of_tritons_launch(dtype, bias, size, monkeypatch):
+    first = _operands(dtype, bias, seed=0, size=size)
     expected = _through_triton(*first)
     assert len(lt._TMA_PLANS) == 1
     lt._TMA_PLANS.clear()
     _products(*first)
     assert len(lt._TMA_PLANS) == 3
     relaunches = []
-    for key, (launch, programs) in list(lt._TMA_PLANS.items()):
+    for key, (launch, programs, stream_k) in list(lt._TMA_PLANS.items()):
         def counted(*args, _launch=launch):
             relaunches.append(args[0])
             return _launch(*args)
-        lt._TMA_PLANS[key] = (counted, programs)
+        lt._TMA_PLANS[key] = (counted, programs, stream_k)
     again = _products(*first)
     # New tensors at new addresses (the old ones still alive), then the old weight with new activations.
-    second = _operands(dtype, bias, seed=1)
+    second = _operands(dtype, bias, seed=1, size=size)
     fresh = _products(*second)
     mixed = (second[0], first[1], first[2], second[3])
     reused = _products(*mixed)
