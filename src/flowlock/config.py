@@ -193,9 +193,9 @@ for _dt in ("bf16", "fp16", "fp32"):
 # sm90 entries: chosen on one H200 (torch 2.11, triton 3.6) by `bench_linear.py --sweep`, candidates timed against
 # cuBLAS at M = 4096/16384/32768, best worst-case ratio kept (benchmarks/results/linear_h200_run2.json).
 _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
-# TAIL_SPLIT (half-width tiles for a partial last round of the persistent walk), STREAM_K (the last round
-# and the partial one shared out in equal runs of BLOCK_R steps, a cut tile's accumulator handed on in fp32
-# to continue its chain: forward and dX, where the launcher finds more tiles than SMs and not whole rounds)
+# TAIL_SPLIT (half-width tiles for a partial last round of the persistent walk), STREAM_K (all tiles shared
+# out in equal runs of BLOCK_R steps, a cut tile's accumulator handed on in fp32 to continue its chain:
+# forward and dX, where the launcher finds one round of the SMs plus a tail of at most half a round)
 # and PER_TILE (one program per tile, for dW on a side stream beside dX while dX is at most 4 rounds of the
 # SMs; the persistent walk after dX otherwise: flowlock.ops.linear.triton.linear_dx_dw, runs_beside) move
 # no arithmetic.

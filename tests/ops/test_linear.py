@@ -223,14 +223,15 @@ def test_tma_tail_split_moves_no_arithmetic(op, rows, cols):
 
 
 @pytest.mark.parametrize("op", ["linear_fwd", "linear_dx"])
-@pytest.mark.parametrize(("rows", "cols", "k"), [(56, 56, 80), (56, 24, 80), (72, 56, 200), (40, 72, 48)])
+@pytest.mark.parametrize(("rows", "cols", "k"), [(32, 32, 80), (64, 16, 200), (16, 64, 48), (56, 56, 80)])
 def test_tma_stream_k_moves_no_arithmetic(op, rows, cols, k):
-    """Sharing the last tiles out stream-K, a cut tile's chain continued by the next program from the
-    fp32 accumulator its head left, gives every element the bits of the walk over whole tiles.
+    """Sharing the tiles out stream-K, a cut tile's chain continued by the next program from the fp32
+    accumulator its head left, gives every element the bits of the walk over whole tiles.
 
-    3 programs under the interpreter, 16 x 16 tiles: 16 tiles (the last 4 shared; K = 80 is 3 steps of
-    the forward's BLOCK_R and 5 of dX's, so cuts fall inside tiles), 8 (5 shared), 20 (K = 200: long
-    chains cut part-way), and 15, whole rounds, where the launcher keeps the plain walk.
+    3 programs under the interpreter, 16 x 16 tiles: 4 tiles, one round plus a tail of one, in three
+    runs of 4/3 tiles, so two tiles are cut (K = 80 is 3 steps of the forward's BLOCK_R and 5 of dX's;
+    K = 200 cuts long chains part-way; K = 48 is 2 and 3 steps); and 16 tiles, where the launcher keeps
+    the walk.
     """
     g = torch.Generator().manual_seed(21)
     a = torch.randn(rows, k, generator=g).to(BF16)
@@ -240,7 +241,7 @@ def test_tma_stream_k_moves_no_arithmetic(op, rows, cols, k):
             "linear_dx": lambda c: lt.linear_dx(a, b.T.contiguous(), BF16, config=c)}
     cfg = _with(_tma_cfg(op, BF16), STREAM_K=1)
     tiles = -(-rows // cfg["BLOCK_I"]) * -(-cols // cfg["BLOCK_J"])
-    assert lt.streams_k(True, cfg["UNIT"], False, tiles, lt._INTERP_PROGRAMS) == (tiles % lt._INTERP_PROGRAMS != 0)
+    assert lt.streams_k(True, cfg["UNIT"], False, tiles, lt._INTERP_PROGRAMS) == (tiles == 4)
     whole = runs[op](_with(cfg, STREAM_K=0, TAIL_SPLIT=0))
     assert_bitwise_equal(runs[op](cfg), whole, f"{op} {rows}x{cols} K={k}: stream-K vs whole tiles")
     assert_bitwise_equal(runs[op](_with(cfg, STREAM_K=0)), whole, f"{op} {rows}x{cols}: split tail vs whole tiles")
@@ -250,8 +251,8 @@ def test_stream_k_tail_waits_for_its_head(monkeypatch):
     """A program continues a cut tile only once the previous program's head is published: start the
     ticket at 1, so the first program to run holds a tail whose head no program has computed, and the
     interpreted wait reports the turn as out of order instead of continuing from a stale accumulator."""
-    a = torch.randn(56, 80, generator=torch.Generator().manual_seed(4)).to(BF16)
-    b = torch.randn(56, 80, generator=torch.Generator().manual_seed(5)).to(BF16)
+    a = torch.randn(32, 80, generator=torch.Generator().manual_seed(4)).to(BF16)
+    b = torch.randn(32, 80, generator=torch.Generator().manual_seed(5)).to(BF16)
     workspace = lt._chain_workspace
 
     def ticket_from_one(c, programs, cfg):
@@ -264,15 +265,18 @@ def test_stream_k_tail_waits_for_its_head(monkeypatch):
         lt.linear_fwd(a, b, None, BF16, config=_with(_tma_cfg("linear_fwd", BF16), STREAM_K=1))
 
 
-def test_stream_k_only_for_one_chain_and_partial_rounds():
+def test_stream_k_only_for_one_chain_and_one_round_plus_half():
     """Stream-K needs one accumulation chain per element (no dW token units, no compensation term) and
-    a walk that would end in a partial round; the frozen sm90 forward and dX ask for it, dW does not."""
+    one round of the programs plus a tail of at most half a round (on 132 SMs: 133-198 tiles; dX of q
+    and fc1 at M = 925 is 168); the frozen sm90 forward and dX ask for it, dW does not."""
     assert lt.streams_k(True, 0, False, 168, 132)
+    assert lt.streams_k(True, 0, False, 133, 132) and lt.streams_k(True, 0, False, 198, 132)
+    assert not lt.streams_k(True, 0, False, 199, 132) and not lt.streams_k(True, 0, False, 224, 132)
+    assert not lt.streams_k(True, 0, False, 132, 132) and not lt.streams_k(True, 0, False, 100, 132)
+    assert not lt.streams_k(True, 0, False, 714, 132)
     assert not lt.streams_k(False, 0, False, 168, 132)
     assert not lt.streams_k(True, 1024, False, 168, 132)
     assert not lt.streams_k(True, 0, True, 168, 132)
-    assert not lt.streams_k(True, 0, False, 264, 132)
-    assert not lt.streams_k(True, 0, False, 100, 132)
     for dt in (BF16, FP16):
         assert launch_config("linear_fwd", dt, "sm90")["STREAM_K"] == 1
         assert launch_config("linear_dx", dt, "sm90")["STREAM_K"] == 1

@@ -24,7 +24,7 @@ pytestmark = [
 BF16 = torch.bfloat16
 # (N, K) of H3's linear weights: q (k, v alike), out, fc1, fc2 and the fused qkv.
 SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336), "qkv": (21504, 5376)}
-# 925: dX of q and fc1 is 168 tiles (stream-K over all of them); 4253: 714 tiles (the last 186 stream-K);
+# 925: dX of q and fc1 is 168 tiles (stream-K), the forward of q 224 (the walk); 4253: 714 tiles (tail 54, split);
 # 64: one row of tiles, fewer tiles than SMs (every tile split where the halves fit one round).
 TOKENS = (925, 4253, 64)
 SCHEDULES = ("frozen", "tail_split", "whole")
@@ -98,8 +98,8 @@ def test_stream_k_repeats_beside_other_work(name):
 
 @pytest.mark.parametrize("name", ["q", "fc1"])
 def test_rows_keep_their_bits_across_token_counts(name):
-    """The first 925 rows of a 4253-row product (the last 186 of 714 tiles stream-K) equal the 925-row
-    product (all 168 tiles stream-K), in the forward and in dX."""
+    """The first 925 rows of a 4253-row product (the walk of 714 tiles, tail split) equal the 925-row
+    product (168 tiles stream-K), in the forward and in dX."""
     n, k = SHAPES[name]
     x, w, dy = _operands(4253, n, k, seed=1)
     big = _products(x, w, dy)

@@ -246,16 +246,16 @@ def _chain_slot(chain_ptr, slot, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
 
 
 @triton.jit
-def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program, first_tile, sk_tiles, n_i, n_j,
-                    J, R, A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
+def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program, tiles, n_i, n_j, J, R,
+                    A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
                     SOFT_BF16: tl.constexpr, EPI_SPLIT: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_I: tl.constexpr,
                     NUM_PROGRAMS: tl.constexpr):
-    """This program's share of the stream-K tiles ``first_tile .. first_tile + sk_tiles``.
+    """This program's share of the launch's ``tiles`` tiles, stream-K.
 
-    Their ``sk_tiles * n_k`` BLOCK_R steps, tile after tile, are cut into NUM_PROGRAMS equal runs,
-    one per program in ticket order; ``sk_tiles >= NUM_PROGRAMS`` makes a run at least one tile
-    long, so a tile is cut at most once. A cut tile's steps stay one accumulation chain: the
+    Their ``tiles * n_k`` BLOCK_R steps, tile after tile in the grouped order, are cut into
+    NUM_PROGRAMS equal runs, one per program in ticket order; ``tiles >= NUM_PROGRAMS`` makes a run
+    at least one tile long, so a tile is cut at most once. A cut tile's steps stay one accumulation chain: the
     program holding its first steps (the *head*) runs them from zero and publishes the fp32
     accumulator, and the next program continues the chain from exactly those values (the *tail*),
     then rounds and stores. The values pass through memory unchanged, so every element is the same
@@ -264,7 +264,7 @@ def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program,
     with (it already holds its ticket).
     """
     n_k = tl.cdiv(R, BLOCK_R)
-    total = sk_tiles * n_k
+    total = tiles * n_k
     start = (program * total) // NUM_PROGRAMS
     end = ((program + 1) * total) // NUM_PROGRAMS
     first = start // n_k
@@ -272,7 +272,7 @@ def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program,
     last = (end - 1) // n_k
     last_steps = end - last * n_k
     if last_steps < n_k:
-        pid_i, pid_j = _tile_coords(first_tile + last, n_i, n_j, GROUP_I)
+        pid_i, pid_j = _tile_coords(last, n_i, n_j, GROUP_I)
         head = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
         head = _tma_dot_range(a_desc, b_desc, pid_i * BLOCK_I, pid_j * BLOCK_J, 0, last_steps * BLOCK_R, head,
                               A_T, B_T, BLOCK_R, FP32_DOT, False)
@@ -280,11 +280,11 @@ def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program,
         pass_turn(turns + 1 + program, 1)
     whole_hi = tl.where(last_steps < n_k, last, last + 1)
     for t in tl.range(first + (first_step > 0), whole_hi):
-        pid_i, pid_j = _tile_coords(first_tile + t, n_i, n_j, GROUP_I)
+        pid_i, pid_j = _tile_coords(t, n_i, n_j, GROUP_I)
         _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T, HAS_BIAS,
                   0, FP32_DOT, False, SOFT_BF16, EPI_SPLIT, False, BLOCK_I, BLOCK_J, BLOCK_R)
     if first_step > 0:
-        pid_i, pid_j = _tile_coords(first_tile + first, n_i, n_j, GROUP_I)
+        pid_i, pid_j = _tile_coords(first, n_i, n_j, GROUP_I)
         # the slot's address depends on the value the wait returns (1), so it is read after the turn
         slot = program - 2 + wait_turn(turns + program, 1)
         acc = tl.load(_chain_slot(chain_ptr, slot, BLOCK_I, BLOCK_J))
@@ -327,12 +327,11 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bi
     2 t <= NUM_PROGRAMS), those t tiles run as 2 t half-width tiles, one per program, so the round
     takes about half a tile's time.
 
-    STREAM_K (one unit, no compensation; the launcher sets it only when the tiles are more than one
-    round and not whole rounds): the walk stops one round before its partial last round, and the
-    last ``NUM_PROGRAMS + tiles % NUM_PROGRAMS`` tiles are shared out in equal runs of BLOCK_R steps
-    (:func:`_stream_k_share`), so every program ends at the same time. Programs take their index from
-    the ticket ``turns[0]``; ``turns[1 + p]`` says program p's head accumulator is in slot p of the
-    fp32 workspace ``chain_ptr`` (NUM_PROGRAMS, BLOCK_I, BLOCK_J). Both start zeroed.
+    STREAM_K (one unit, no compensation; the launcher sets it only for one round plus a tail of at
+    most half a round, :func:`streams_k`): in place of the walk, all tiles are shared out in equal runs
+    of BLOCK_R steps (:func:`_stream_k_share`), so every program ends at the same time. Programs take
+    their index from the ticket ``turns[0]``; ``turns[1 + p]`` says program p's head accumulator is in
+    slot p of the fp32 workspace ``chain_ptr`` (NUM_PROGRAMS, BLOCK_I, BLOCK_J). Both start zeroed.
 
     None of these moves any arithmetic: an element's bits depend only on its row of A, its column of
     B and BLOCK_R, not on the tile or program that holds it or where its chain is cut.
@@ -341,28 +340,24 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bi
     n_j = tl.cdiv(J, BLOCK_J)
     tiles = n_i * n_j
     if STREAM_K:
-        program = take_ticket(turns)
-        walked = tiles - NUM_PROGRAMS - tiles % NUM_PROGRAMS
-    else:
-        program = tl.program_id(0)
-        walked = tiles - _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
-    for tile in tl.range(program, walked, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
-        _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T, HAS_BIAS,
-                  UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, EPI_SPLIT, FLAT_UNITS, BLOCK_I, BLOCK_J, BLOCK_R)
-    if STREAM_K:
-        _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program, walked, tiles - walked, n_i,
-                        n_j, J, R, A_T, B_T, HAS_BIAS, FP32_DOT, SOFT_BF16, EPI_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R,
+        _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, take_ticket(turns), tiles, n_i, n_j,
+                        J, R, A_T, B_T, HAS_BIAS, FP32_DOT, SOFT_BF16, EPI_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R,
                         GROUP_I, NUM_PROGRAMS)
-    elif TAIL_SPLIT:
-        tail = tiles - walked
-        for half in tl.range(program, 2 * tail, NUM_PROGRAMS):
-            pid_i, pid_j = _tile_coords(walked + half // 2, n_i, n_j, GROUP_I)
-            oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
-            if oj < J:  # the right half of the last column tile may lie wholly past J
-                _tma_tile(a_desc, b_half_desc, c_half_desc, bias_ptr, pid_i * BLOCK_I, oj, J, R, A_T, B_T,
-                          HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, False, FLAT_UNITS, BLOCK_I,
-                          BLOCK_J // 2, BLOCK_R)
+    else:
+        tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+        for tile in tl.range(tl.program_id(0), tiles - tail, NUM_PROGRAMS, flatten=FLATTEN):
+            pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
+            _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T,
+                      HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, EPI_SPLIT, FLAT_UNITS, BLOCK_I, BLOCK_J,
+                      BLOCK_R)
+        if TAIL_SPLIT:
+            for half in tl.range(tl.program_id(0), 2 * tail, NUM_PROGRAMS):
+                pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+                oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
+                if oj < J:  # the right half of the last column tile may lie wholly past J
+                    _tma_tile(a_desc, b_half_desc, c_half_desc, bias_ptr, pid_i * BLOCK_I, oj, J, R, A_T, B_T,
+                              HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, False, FLAT_UNITS, BLOCK_I,
+                              BLOCK_J // 2, BLOCK_R)
 
 
 @fast_launch
@@ -446,11 +441,19 @@ def _tma_flags(cfg: LaunchConfig) -> tuple[bool, ...]:
 
 
 def streams_k(stream_k: bool, unit: int, compensated: bool, tiles: int, programs: int) -> bool:
-    """Whether a TMA launch shares its last tiles out stream-K: the config asks for it, the reduction
-    is one chain (no token units, no compensation term to carry), and the persistent walk would end in
-    a partial round (more tiles than programs, not a whole number of rounds). Decided from tile counts,
-    like the grid; the bits are those of the plain walk either way."""
-    return stream_k and unit == 0 and not compensated and tiles > programs and tiles % programs != 0
+    """Whether a TMA launch shares its tiles out stream-K: the config asks for it, the reduction is one
+    chain (no token units, no compensation term to carry), and the tiles are one round of the programs
+    plus a tail of at most half a round, where the walk's second round would leave half the SMs or
+    more idle (TAIL_SPLIT's half-width tiles take about 0.55 of a round there). Decided from tile
+    counts, like the grid; the bits are those of the plain walk either way.
+
+    Not for more tiles (H200, same process, queued; ``bench_linear.py --stream-k``): sharing a cut
+    tile's steps between two programs staggers where in K the programs are, so the 8 row tiles of an
+    M = 925 product stop reading each weight panel together and the weight streams from DRAM several
+    times. 168 tiles (tail 36: dX of q and fc1 at M = 925) ran 0.93 and 0.87 of the split-tail walk;
+    224 (tail 92) 1.15, and the last rounds of longer walks 1.00-1.35."""
+    return (stream_k and unit == 0 and not compensated and programs < tiles
+            and 2 * (tiles - programs) <= programs)
 
 
 def tma_programs(tiles: int, processors: int, tail_split: bool, per_tile: bool) -> int:
