@@ -47,9 +47,9 @@ def _extra(parser):
                         help="skip the checks and the frozen-config cases (a sweep run alone)")
     parser.add_argument("--sweep-candidates", type=int, nargs="*", default=None,
                         help="time just these candidate indices (0: the frozen config, 1: it walking whole tiles, "
-                             "2: it without STREAM_K)")
+                             "2: it with STREAM_K)")
     parser.add_argument("--stream-k", action="store_true",
-                        help="forward and dX with the frozen stream-K configs against the same without it "
+                        help="forward and dX with STREAM_K added to the frozen configs against the frozen ones "
                              "(same bits, checked) and against cuBLAS, at --sweep-m or the default M")
     parser.add_argument("--beside", action="store_true",
                         help="time dW beside dX (linear_dx_dw) against the two one by one (at --sweep-m)")
@@ -198,8 +198,8 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
     # then smaller tiles (more, shorter waves: N = 5376 at M = 4096 leaves a 0.18 last wave of 128x128
     # tiles), deeper pipelines and other tile-group heights (none beat 128x128 there in the sweep of
     # 49d5e61, which also tried two persistent programs per SM)
-    return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0, STREAM_K=0),
-            mk(base.num_warps, base.num_stages, STREAM_K=0),
+    return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
+            mk(base.num_warps, base.num_stages, STREAM_K=1),
             mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=1),
             mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
             mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLATTEN=0),
@@ -282,9 +282,10 @@ def _beside(device, shapes, ms, t_end) -> list[dict]:
 
 
 def _stream_k(device, shapes, ms, t_end) -> list[dict]:
-    """Forward and dX of each layer with the frozen config (STREAM_K) against the same config with
-    STREAM_K off (the walk's partial last round then half-width tiles, where they fit) and against
-    cuBLAS; same bits checked; queued (the GPU's rate) and idle (host launch time counts)."""
+    """Forward and dX of each layer with the frozen config plus STREAM_K (the exact stream-K candidate,
+    which shares the tiles out when they are one round of the SMs plus at most half a round) against
+    the frozen config and against cuBLAS; same bits checked; queued (the GPU's rate) and idle (host
+    launch time counts, with stream-K's zeroed workspace)."""
     results = []
     for m in ms:
         for name, (n, k) in shapes.items():
@@ -296,19 +297,19 @@ def _stream_k(device, shapes, ms, t_end) -> list[dict]:
                      lambda _, dy=dy, w=w: torch.mm(dy, w))):
                 if time.perf_counter() > t_end:
                     return results
-                cfg = launch_config(op, BF16, arch_of(w), (n, k))
-                off = dataclasses.replace(cfg, blocks=tuple(sorted((dict(cfg.blocks) | {"STREAM_K": 0}).items())))
+                frozen = launch_config(op, BF16, arch_of(w), (n, k))
+                cfg = dataclasses.replace(frozen, blocks=tuple(sorted((dict(frozen.blocks) | {"STREAM_K": 1}).items())))
                 tiles = -(-m // cfg["BLOCK_I"]) * -(-(n if op == "linear_fwd" else k) // cfg["BLOCK_J"])
                 sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                        else lt._INTERP_PROGRAMS)
                 row = {"shape": name, "m": m, "op": op, "tiles": tiles,
-                       "stream_k": lt.streams_k(bool(dict(cfg.blocks).get("STREAM_K")), cfg["UNIT"], False, tiles, sms),
-                       "same_bits": _eq(run(cfg), run(off))}
+                       "stream_k": lt.streams_k(True, cfg["UNIT"], False, tiles, sms),
+                       "same_bits": _eq(run(cfg), run(frozen))}
                 for mode, queued in (("idle", False), ("queued", True)):
-                    r = harness.time_pair(lambda _, c=cfg, f=run: f(c), lambda _, c=off, f=run: f(c), device=device,
-                                          iters=20, warmup=2, queued=queued)
-                    row[mode] = {"stream_k_ms": r["a"]["median_ms"], "off_ms": r["b"]["median_ms"],
-                                 "stream_k_over_off": r["ratio_a_over_b"]}
+                    r = harness.time_pair(lambda _, c=cfg, f=run: f(c), lambda _, c=frozen, f=run: f(c),
+                                          device=device, iters=20, warmup=2, queued=queued)
+                    row[mode] = {"stream_k_ms": r["a"]["median_ms"], "frozen_ms": r["b"]["median_ms"],
+                                 "stream_k_over_frozen": r["ratio_a_over_b"]}
                 r = harness.time_pair(lambda _, c=cfg, f=run: f(c), cublas, device=device, iters=20, warmup=2,
                                       queued=True)
                 row["queued"]["cublas_ms"] = r["b"]["median_ms"]

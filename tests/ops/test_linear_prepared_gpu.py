@@ -4,6 +4,8 @@ gives the bits of Triton's own launch, for new tensors at new addresses too, and
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_prepared_gpu.py
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ pytestmark = [
 
 
 # (N, K, x's row stride): a small layer (forward 48 tiles, fewer than the SMs), and one whose bf16
-# forward and dX at M = 925 are 224 and 168 tiles (stream-K launches: fresh chain workspace per relaunch).
+# forward and dX at M = 925 are 224 and 168 tiles (more than the SMs; the dX tail split).
 SIZES = {"small": (1536, 512, 640), "q": (7168, 5376, 5504)}
 
 
@@ -73,3 +75,17 @@ def test_relaunch_keeps_the_bits_of_tritons_launch(dtype, bias, size, monkeypatc
     for got, want in ((again, expected), (fresh, _through_triton(*second)), (reused, _through_triton(*mixed))):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+def test_stream_k_relaunch_takes_a_fresh_workspace():
+    """A prepared STREAM_K launch (the sweep candidate) gets a zeroed ticket and turn flags on every
+    relaunch: reused ones would hand out tickets past the last program."""
+    x, w, _, dy = _operands(torch.bfloat16, False, seed=2, size="q")
+    cfg = lt.lookup("linear_dx", w, dy, w)
+    cfg = dataclasses.replace(cfg, blocks=tuple(sorted((dict(cfg.blocks) | {"STREAM_K": 1}).items())))
+    lt._TMA_PLANS.clear()
+    first = lt.linear_dx(dy, w, torch.bfloat16, config=cfg)
+    assert [plan[2] for plan in lt._TMA_PLANS.values()] == [True], "one plan, stream-K"
+    for _ in range(3):
+        assert torch.equal(lt.linear_dx(dy, w, torch.bfloat16, config=cfg), first)
+    assert torch.equal(first, lt.linear_dx(dy, w, torch.bfloat16))

@@ -1,9 +1,9 @@
 """How linear's tiles are scheduled moves no arithmetic, on a Hopper GPU at H3's shapes: the frozen
-configs (STREAM_K: the last rounds shared out with cut tiles' fp32 accumulators handed on, for the
-forward and dX; TAIL_SPLIT: the walk's partial last round as half-width tiles) give the bits of the
-same configs walking whole tiles, rows keep their bits across token counts whose walks split
-differently, and dW on a side stream beside dX (``linear_dx_dw``, PER_TILE) gives the bits of the two
-run one by one.
+configs (TAIL_SPLIT: the walk's partial last round as half-width tiles) and the same with STREAM_K (the
+sweep candidate sharing one round plus a short tail out, cut tiles' fp32 accumulators handed on) give
+the bits of the same configs walking whole tiles, rows keep their bits across token counts whose walks
+split differently, and dW on a side stream beside dX (``linear_dx_dw``, PER_TILE) gives the bits of the
+two run one by one.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_schedule_gpu.py
 """
@@ -24,10 +24,11 @@ pytestmark = [
 BF16 = torch.bfloat16
 # (N, K) of H3's linear weights: q (k, v alike), out, fc1, fc2 and the fused qkv.
 SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336), "qkv": (21504, 5376)}
-# 925: dX of q and fc1 is 168 tiles (stream-K), the forward of q 224 (the walk); 4253: 714 tiles (tail 54, split);
+# 925: dX of q and fc1 is 168 tiles (tail 36, split; stream-K with STREAM_K), the forward of q 224; 4253: 714
+# tiles (tail 54, split);
 # 64: one row of tiles, fewer tiles than SMs (every tile split where the halves fit one round).
 TOKENS = (925, 4253, 64)
-SCHEDULES = ("frozen", "tail_split", "whole")
+SCHEDULES = ("frozen", "stream_k", "whole")
 
 
 def _with(cfg, **blocks):
@@ -44,15 +45,15 @@ def _operands(m, n, k, seed=0):
 
 
 def _products(x, w, dy, schedule: str = "frozen"):
-    """Forward, dX and dW with the frozen configs, those without STREAM_K (``tail_split``), or those
-    without either (``whole``: the persistent walk over whole tiles)."""
+    """Forward, dX and dW with the frozen configs, those with STREAM_K on (``stream_k``; dW has token
+    units, so it keeps the walk), or those without TAIL_SPLIT (``whole``: the walk over whole tiles)."""
     cfgs = {op: lt.lookup(op, w, *ops) for op, ops in
             (("linear_fwd", (x, w)), ("linear_dx", (dy, w)), ("linear_dw", (dy, x)))}
     assert all(dict(c.blocks).get("TAIL_SPLIT") for c in cfgs.values()), "the sm90 configs split the tail"
-    assert cfgs["linear_fwd"]["STREAM_K"] and cfgs["linear_dx"]["STREAM_K"], "forward and dX run stream-K"
-    if schedule != "frozen":
-        off = {"STREAM_K": 0} | ({"TAIL_SPLIT": 0} if schedule == "whole" else {})
-        cfgs = {op: _with(c, **off) for op, c in cfgs.items()}
+    if schedule == "stream_k":
+        cfgs = {op: _with(c, STREAM_K=1) for op, c in cfgs.items()}
+    elif schedule == "whole":
+        cfgs = {op: _with(c, TAIL_SPLIT=0) for op, c in cfgs.items()}
     return (lt.linear_fwd(x, w, None, BF16, config=cfgs["linear_fwd"]),
             lt.linear_dx(dy, w, BF16, config=cfgs["linear_dx"]),
             lt.linear_dw(dy, x, w, BF16, config=cfgs["linear_dw"]))
@@ -75,9 +76,9 @@ def test_stream_k_and_split_tail_keep_the_bits(name):
 
 @pytest.mark.parametrize("name", ["q", "fc2"])
 def test_stream_k_repeats_beside_other_work(name):
-    """The same bits on every call, also when the launch's programs start while a GEMM on another
-    stream holds the SMs (they get SMs as its tiles finish; the ticket orders them, so none waits for
-    a head whose program has not started) and when it queues behind a long kernel."""
+    """With STREAM_K, the same bits on every call, also when the launch's programs start while a GEMM
+    on another stream holds the SMs (they get SMs as its tiles finish; the ticket orders them, so none
+    waits for a head whose program has not started) and when it queues behind a long kernel."""
     n, k = SHAPES[name]
     x, w, dy = _operands(925, n, k, seed=3)
     want = _products(x, w, dy, "whole")
@@ -90,7 +91,7 @@ def test_stream_k_repeats_beside_other_work(name):
             lt.linear_dw(bdy, bx, bw, BF16, config=busy_cfg)
         if round_ == 2:
             torch.cuda._sleep(20_000_000)
-        got = _products(x, w, dy)
+        got = _products(x, w, dy, "stream_k")
         main.wait_stream(side)
         for product, a, b in zip(("forward", "dX", "dW"), got, want):
             assert _same_bits(a, b), f"{name} round {round_} {product}"
@@ -99,11 +100,11 @@ def test_stream_k_repeats_beside_other_work(name):
 @pytest.mark.parametrize("name", ["q", "fc1"])
 def test_rows_keep_their_bits_across_token_counts(name):
     """The first 925 rows of a 4253-row product (the walk of 714 tiles, tail split) equal the 925-row
-    product (168 tiles stream-K), in the forward and in dX."""
+    product (168 tiles, tail split, or stream-K), in the forward and in dX."""
     n, k = SHAPES[name]
     x, w, dy = _operands(4253, n, k, seed=1)
     big = _products(x, w, dy)
-    small = _products(x[:925], w, dy[:925])
+    small = _products(x[:925], w, dy[:925], "stream_k")
     assert torch.equal(big[0][:925], small[0]), f"{name} forward rows"
     assert torch.equal(big[1][:925], small[1]), f"{name} dX rows"
 
