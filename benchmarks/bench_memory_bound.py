@@ -14,8 +14,8 @@ sample in ``bench_model``'s proportions (text 256, audio S // 16, the rest video
 modulation row its modality (three table rows).
 
 Run: ``PYTHONPATH=src python benchmarks/bench_memory_bound.py --out benchmarks/results/memory_bound.json``
-(``--seq`` picks S; ``--smoke``: tiny widths on CPU under TRITON_INTERPRET=1, where it checks the
-script and measures nothing).
+(``--seq`` picks S; ``--kernels`` adds each phase's GPU time per kernel from the profiler; ``--smoke``:
+tiny widths on CPU under TRITON_INTERPRET=1, where it checks the script and measures nothing).
 """
 
 from __future__ import annotations
@@ -115,8 +115,21 @@ def measure(phase: Phase, device: torch.device, iters: int, warmup: int) -> dict
             "copy_ms": copy_ms, "of_copy": copy_ms / op_ms, "gb_per_s": phase.bytes / op_ms / 1e6}
 
 
+# Calls of a phase under the profiler for --kernels; each kernel's time is their mean.
+PROFILED_CALLS = 5
+
+
+def kernels(phase: Phase, device: torch.device) -> list[dict]:
+    """The phase's GPU time per kernel (``harness.kernel_times``), per call: which of an op's launches
+    the time above the copy's is in."""
+    per_run = harness.kernel_times(lambda: [phase.run() for _ in range(PROFILED_CALLS)], device)
+    return [{"kernel": k["kernel"], "ms": k["ms"] / PROFILED_CALLS} for k in per_run]
+
+
 def _extra(parser):
     parser.add_argument("--seq", type=int, nargs="*", default=None, help=f"token counts S (default {SEQS})")
+    parser.add_argument("--kernels", action="store_true",
+                        help=f"also profile {PROFILED_CALLS} calls of each phase: GPU time per kernel")
 
 
 def main(argv=None) -> int:
@@ -136,6 +149,8 @@ def main(argv=None) -> int:
             for op, phases in cases(s, widths, device).items():
                 for name, phase in phases.items():
                     row = {"S": s, "op": op, "phase": name, **measure(phase, device, args.iters, args.warmup)}
+                    if args.kernels:
+                        row["kernels"] = kernels(phase, device)
                     payload["rows"].append(row)
                     print(row, flush=True)
                     harness.write_json(args.out, payload)

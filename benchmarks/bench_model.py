@@ -341,7 +341,7 @@ class ModelBench:
         return self._profiled(variant, lambda: harness.host_profile(call, self.device))
 
     def _idle(self, variant: str, call) -> dict | None:
-        return self._profiled(variant, lambda: harness.gpu_idle(call, self.device, name_of=bench_block.kernel_prefix))
+        return self._profiled(variant, lambda: harness.gpu_idle(call, self.device, name_of=harness.kernel_prefix))
 
     def _breakdown(self, variant: str, inputs: dict, cots) -> dict:
         return self._profiled(variant, lambda: breakdown(self.model, inputs, cots, self.device))

@@ -19,10 +19,12 @@ import datetime
 import json
 import os
 import pstats
+import re
 import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -314,3 +316,37 @@ def write_json(path: Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
+
+
+def kernel_prefix(name: str) -> str:
+    """Group kernel names: drop template/argument lists and trailing specialisation suffixes."""
+    name = re.sub(r"^void ", "", name)
+    name = re.split(r"[<(\s]", name, maxsplit=1)[0]
+    *space, leaf = name.split("::")
+    if not leaf.startswith("_"):
+        leaf = "_".join(leaf.split("_")[:3])
+    return "::".join(space[-1:] + [leaf]) or "<unnamed>"
+
+
+def kernel_times(fn, device: torch.device, top: int = 25) -> list[dict]:
+    """Device time (ms) of one call of ``fn``, grouped by kernel-name prefix, largest first (CPU op
+    time off CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    groups: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        if device.type == "cuda":
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        else:
+            us = evt.self_cpu_time_total
+        if us > 0:
+            groups[kernel_prefix(evt.key)] += us / 1e3
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+    return [{"kernel": k, "ms": v} for k, v in ranked[:top]]

@@ -59,7 +59,6 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "src")]
 
-import bench_block  # noqa: E402
 import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -300,7 +299,7 @@ def profile_step(step: Step, device: torch.device) -> dict:
     device work (copies, casts) or host work (hooks)."""
     try:
         step.setup()
-        kernels = bench_block.kernel_times(step, device, top=sys.maxsize)
+        kernels = harness.kernel_times(step, device, top=sys.maxsize)
         step.setup()
         host = harness.host_profile(step, device, top=15)
     except Exception as err:  # a profiler failure loses this record, not the timings

@@ -127,8 +127,6 @@ def test_plots_are_written(tmp_path):
 
 
 def test_block_layout_fractions_and_kernel_groups():
-    import bench_block
-
     from flowlock.models.minimax_h3.layout import layout_for_length
 
     for s in (40, 64, 4096, 16384):
@@ -136,8 +134,8 @@ def test_block_layout_fractions_and_kernel_groups():
         assert layout.seq_len == s
         text, audio = layout.text_indices.numel(), layout.audio_indices.numel()
         assert abs(text - 0.05 * s) <= 1 and 0.15 * s - 1 <= audio <= 0.15 * s + max(64, 0.02 * s)
-    assert bench_block.kernel_prefix("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>(Params)") == \
+    assert harness.kernel_prefix("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm>(Params)") == \
         "cutlass::Kernel2"
-    assert bench_block.kernel_prefix("_linear_fwd_kernel") == "_linear_fwd_kernel"
-    assert bench_block.kernel_prefix("aten::mm") == "aten::mm"
-    assert bench_block.kernel_prefix("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize") == "sm90_xmma_gemm"
+    assert harness.kernel_prefix("_linear_fwd_kernel") == "_linear_fwd_kernel"
+    assert harness.kernel_prefix("aten::mm") == "aten::mm"
+    assert harness.kernel_prefix("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize") == "sm90_xmma_gemm"

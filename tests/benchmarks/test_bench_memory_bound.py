@@ -46,3 +46,13 @@ def test_smoke_run_times_every_op_against_a_copy(tmp_path, monkeypatch):
         assert row["of_copy"] == row["copy_ms"] / row["ms"]
     png = plot.plot(out)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_kernels_gives_a_phases_time_per_launch(monkeypatch):
+    """``--kernels``' profile of one phase: a per-call time for each launch (on CPU, each op's CPU time),
+    largest first."""
+    bench = _bench(monkeypatch)
+    device = torch.device("cpu")
+    phase = bench.cases(bench.SMOKE_SEQS[0], bench.SMOKE, device)["rms_norm_modulate"]["backward"]
+    times = [k["ms"] for k in bench.kernels(phase, device)]
+    assert times and all(t > 0 for t in times) and times == sorted(times, reverse=True), times
