@@ -20,6 +20,7 @@ tiny widths on CPU under TRITON_INTERPRET=1, where it checks the script and meas
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -27,7 +28,9 @@ import harness
 import torch
 
 import flowlock
+from flowlock.config import config_for
 from flowlock.ops import gate_residual, qk_norm_rope, rms_norm_modulate, segment_sum, swiglu
+from flowlock.ops.rms_norm import triton as rms_norm_triton
 
 BF16 = torch.bfloat16
 
@@ -126,8 +129,40 @@ def kernels(phase: Phase, device: torch.device) -> list[dict]:
     return [{"kernel": k["kernel"], "ms": k["ms"] / PROFILED_CALLS} for k in per_run]
 
 
+def norm_dw_blocks(s: int, w: Widths, device: torch.device, blocks: list[int], iters: int, warmup: int,
+                   seed: int = 0) -> list[dict]:
+    """rms_norm_modulate's backward with the dweight launch's BLOCK_C replaced by each of ``blocks``
+    against the frozen config: same bits (dx and the three gradients, checked) and queued time."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, dy = (torch.randn(s, w.hidden, generator=gen, device=device).to(BF16) for _ in range(2))
+    weight = torch.randn(w.hidden, generator=gen, device=device).to(BF16)
+    shift, scale = (torch.randn(3, w.hidden, generator=gen, device=device).to(BF16) for _ in range(2))
+    index = _modality_index(s, device)
+    _, rstd = rms_norm_triton.rms_norm_fwd(x, weight, 1e-6, shift, scale, index)
+    frozen = config_for("rms_norm_bwd", x)
+
+    def run(cfg):
+        return rms_norm_triton.rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, config=cfg)
+
+    want = run(frozen)
+    rows = []
+    for block_c in blocks:
+        cfg = dataclasses.replace(frozen, blocks=tuple(sorted((dict(frozen.blocks) | {"BLOCK_C": block_c}).items())))
+        got = run(cfg)
+        timed = harness.time_pair(lambda _, c=cfg: run(c), lambda _: run(frozen), device=device, iters=iters,
+                                  warmup=warmup, queued=device.type == "cuda")
+        rows.append({"S": s, "BLOCK_C": block_c, "frozen_BLOCK_C": frozen["BLOCK_C"],
+                     "same_bits": all(torch.equal(a, b) for a, b in zip(got, want)),
+                     "ms": timed["a"]["median_ms"], "frozen_ms": timed["b"]["median_ms"],
+                     "over_frozen": timed["ratio_a_over_b"]})
+    return rows
+
+
 def _extra(parser):
     parser.add_argument("--seq", type=int, nargs="*", default=None, help=f"token counts S (default {SEQS})")
+    parser.add_argument("--norm-dw-blocks", type=int, nargs="*", default=None,
+                        help="also time rms_norm_modulate's backward with these dweight BLOCK_C against the frozen "
+                             "config (same bits checked)")
     parser.add_argument("--kernels", action="store_true",
                         help=f"also profile {PROFILED_CALLS} calls of each phase: GPU time per kernel")
 
@@ -154,6 +189,11 @@ def main(argv=None) -> int:
                     payload["rows"].append(row)
                     print(row, flush=True)
                     harness.write_json(args.out, payload)
+            if args.norm_dw_blocks:
+                rows = norm_dw_blocks(s, widths, device, args.norm_dw_blocks, args.iters, args.warmup)
+                payload.setdefault("norm_dw_blocks", []).extend(rows)
+                print(rows, flush=True)
+                harness.write_json(args.out, payload)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     harness.write_json(args.out, payload)

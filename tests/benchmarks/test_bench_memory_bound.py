@@ -56,3 +56,14 @@ def test_kernels_gives_a_phases_time_per_launch(monkeypatch):
     phase = bench.cases(bench.SMOKE_SEQS[0], bench.SMOKE, device)["rms_norm_modulate"]["backward"]
     times = [k["ms"] for k in bench.kernels(phase, device)]
     assert times and all(t > 0 for t in times) and times == sorted(times, reverse=True), times
+
+
+def test_norm_dw_blocks_keeps_the_bits_and_times_each(monkeypatch):
+    """``--norm-dw-blocks``: the norm's backward with other dweight column blocks, each checked bitwise
+    against the frozen config (the smoke widths run the interpreter config, whose tile is summed as one
+    tree: the check still has to hold) and timed against it."""
+    bench = _bench(monkeypatch)
+    rows = bench.norm_dw_blocks(40, bench.SMOKE, torch.device("cpu"), [8, 16], iters=20, warmup=0)
+    assert [r["BLOCK_C"] for r in rows] == [8, 16]
+    for row in rows:
+        assert row["same_bits"] and row["ms"] > 0 and row["frozen_ms"] > 0, row

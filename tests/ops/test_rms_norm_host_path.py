@@ -2,6 +2,8 @@
 same bits, and the modulated backward's three gradients share one partials buffer and one fold with
 the bits of the separate launches it replaced."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from rms_norm_cases import modulate_case
 
 import flowlock
-from flowlock.config import config_for
+from flowlock.config import config_for, launch_config
 from flowlock.ops.rms_norm import rms_norm, rms_norm_modulate
 from flowlock.ops.rms_norm import triton as rt
 from flowlock.ops.segment_sum import fold as fold_module
@@ -82,6 +84,27 @@ def test_modulated_backward_equals_separate_launches(lead, s, h, r, device):
        seed=st.integers(0, 2**16))
 def test_modulated_backward_equals_separate_launches_hypothesis(lead, s, h, r, dtype, seed):
     _shared_fold_equals_separate(lead, s, h, r, dtype, seed, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lead,s,h", [((2,), 70, 40), ((), 33, 24)])
+def test_dweight_column_block_moves_no_arithmetic(lead, s, h, device):
+    """With the tile's rows summed one by one (SUB_ROWS = 1, the sm90 arrangement), each column's
+    dweight partial is the same chain of additions whatever BLOCK_C the columns are cut into, so the
+    backward's every output keeps its bits (BLOCK_C 4 to 64, H = 24 / 40 not a multiple of 16 or 64)."""
+    assert launch_config("rms_norm_bwd", torch.bfloat16, "sm90")["SUB_ROWS"] == 1
+    x, weight, table, index, dy = modulate_case(lead, s, h, 3, torch.bfloat16, 5, device)
+    shift, scale = table[:, :h], table[:, 3 * h:4 * h]
+    frozen = config_for("rms_norm_bwd", x)
+    runs = []
+    with flowlock.use_backend("triton"):
+        _, rstd = rt.rms_norm_fwd(x, weight, 1e-5, shift, scale, index)
+        for block_c in (64, 16, 4):
+            cfg = dataclasses.replace(frozen, blocks=tuple(sorted((dict(frozen.blocks)
+                                                                   | {"SUB_ROWS": 1, "BLOCK_C": block_c}).items())))
+            runs.append(rt.rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, config=cfg))
+    for block_c, got in zip((16, 4), runs[1:]):
+        assert_bitwise_equal(got, runs[0], f"BLOCK_C {block_c} vs 64")
 
 
 class _Counted:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import config_for, config_on
+from flowlock.config import LaunchConfig, config_for, config_on
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
@@ -175,17 +175,18 @@ def _fwd_args(dtype: torch.dtype, device: torch.device, h: int, has_mod: bool) -
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                  shift: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                 index: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None, config: LaunchConfig | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx like x, dweight (H,) fp32, dshift, dscale (R, H) fp32 or None)``; dweight and the table
-    gradients are fixed-order sums over 64-row tiles. Trusted: inputs are not validated.
+    gradients are fixed-order sums over 64-row tiles. Trusted: inputs are not validated. ``config``:
+    a benchmark's or test's override of the frozen ``rms_norm_bwd`` config.
 
     With modulation the three gradients share one ``(tiles, H + 2 R H)`` fp32 partial buffer,
     ``[dweight | dshift | dscale]`` per tile: the norm kernel writes the dweight columns, one
     segment-sum launch the table columns, and one fold reduces all of them. The fold sums each
     column on its own in the same order at any width, so the bits equal three separate folds.
     """
-    dx, folded = _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index)
+    dx, folded = _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, config)
     if shift is None:
         return dx, folded, None, None
     return (dx, *_unpack(folded, x.shape[-1], shift.shape[0]))
@@ -193,12 +194,12 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
 
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   shift: torch.Tensor | None, scale: torch.Tensor | None, index: torch.Tensor | None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, folded fp32 gradients)``: ``(H,)`` without modulation, else ``(H + 2 R H,)`` packed."""
     h = x.shape[-1]
     m = x.numel() // h if h else 0
     dy = dy.contiguous()
-    cfg = config_for("rms_norm_bwd", x)
+    cfg = config or config_for("rms_norm_bwd", x)
     tiles = max(-(-m // cfg["TILE_ROWS"]), 1)
     dx = torch.empty_like(x)
     has_mod = shift is not None
