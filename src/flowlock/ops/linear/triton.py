@@ -29,7 +29,9 @@ Two kernel variants share these semantics; the launch config names the one to us
 tile order) and ``_linear_gemm_kernel`` (plain masked ``tl.load``, any GPU and the interpreter).
 The TMA variant may run the last, partial round of its walk as half-width tiles (``TAIL_SPLIT``):
 at M = 925 the dX of q, k, v and fc1 is 168 tiles of 128 x 256 on 132 SMs, whose second round
-would leave 96 SMs idle for a whole tile's time.
+would leave 96 SMs idle for a whole tile's time. ``STREAM_K`` (a sweep candidate, in no frozen
+config) shares such a launch's BLOCK_R steps out evenly instead, a cut tile's fp32 accumulator
+handed to the next program to continue the same chain, so it too keeps every element's bits.
 """
 
 from __future__ import annotations
