@@ -186,8 +186,7 @@ def _time_case(shape, m, device, iters, warmup) -> dict:
 def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
     """The frozen config first, then variants with the same BLOCK_R and UNIT (so the same bits)."""
     def mk(warps, stages, **blocks):
-        merged = dict(base.blocks) | blocks
-        return dataclasses.replace(base, blocks=tuple(sorted(merged.items())), num_warps=warps, num_stages=stages)
+        return dataclasses.replace(base.with_blocks(**blocks), num_warps=warps, num_stages=stages)
 
     if op == "linear_dw":
         return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
@@ -266,7 +265,7 @@ def _beside(device, shapes, ms, t_end) -> list[dict]:
                 return results
             x, w, dy = _operands(m, n, k, device)
             cfg = launch_config("linear_dw", BF16, arch_of(w), (n, k))
-            serial_cfg = dataclasses.replace(cfg, blocks=tuple(sorted((dict(cfg.blocks) | {"PER_TILE": 0}).items())))
+            serial_cfg = cfg.with_blocks(PER_TILE=0)
             beside = lambda _, x=x, w=w, dy=dy: lt.linear_dx_dw(dy, x, w, BF16, BF16)
             serial = lambda _, x=x, w=w, dy=dy, c=serial_cfg: (lt.linear_dx(dy, w, BF16),
                                                                  lt.linear_dw(dy, x, w, BF16, config=c))
@@ -298,10 +297,9 @@ def _stream_k(device, shapes, ms, t_end) -> list[dict]:
                 if time.perf_counter() > t_end:
                     return results
                 frozen = launch_config(op, BF16, arch_of(w), (n, k))
-                cfg = dataclasses.replace(frozen, blocks=tuple(sorted((dict(frozen.blocks) | {"STREAM_K": 1}).items())))
+                cfg = frozen.with_blocks(STREAM_K=1)
                 tiles = -(-m // cfg["BLOCK_I"]) * -(-(n if op == "linear_fwd" else k) // cfg["BLOCK_J"])
-                sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-                       else lt._INTERP_PROGRAMS)
+                sms = lt._num_programs(device.index or 0) if device.type == "cuda" else lt._INTERP_PROGRAMS
                 row = {"shape": name, "m": m, "op": op, "tiles": tiles,
                        "stream_k": lt.streams_k(True, cfg["UNIT"], False, tiles, sms),
                        "same_bits": _eq(run(cfg), run(frozen))}

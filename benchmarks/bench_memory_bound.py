@@ -20,7 +20,6 @@ tiny widths on CPU under TRITON_INTERPRET=1, where it checks the script and meas
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -147,7 +146,7 @@ def norm_dw_blocks(s: int, w: Widths, device: torch.device, blocks: list[int], i
     want = run(frozen)
     rows = []
     for block_c in blocks:
-        cfg = dataclasses.replace(frozen, blocks=tuple(sorted((dict(frozen.blocks) | {"BLOCK_C": block_c}).items())))
+        cfg = frozen.with_blocks(BLOCK_C=block_c)
         got = run(cfg)
         timed = harness.time_pair(lambda _, c=cfg: run(c), lambda _: run(frozen), device=device, iters=iters,
                                   warmup=warmup, queued=device.type == "cuda")

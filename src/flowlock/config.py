@@ -11,7 +11,7 @@ Each entry carries a note saying how and where it was chosen.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,11 @@ class LaunchConfig:
             if key == name:
                 return value
         raise KeyError(name)
+
+    def with_blocks(self, **blocks: int) -> LaunchConfig:
+        """This config with ``blocks`` set (added or replaced), warps, stages and note kept: a sweep
+        candidate or a test's variant of a frozen config."""
+        return replace(self, blocks=tuple(sorted((dict(self.blocks) | blocks).items())))
 
 
 def _cfg(num_warps: int, num_stages: int = 1, note: str = "", **blocks: int) -> LaunchConfig:

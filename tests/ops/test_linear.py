@@ -3,8 +3,6 @@ the dW token-unit fold, config invariants and input validation. Triton runs unde
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flowlock
-from flowlock.config import _CONFIGS, LaunchConfig, launch_config
+from flowlock.config import _CONFIGS, launch_config
 from flowlock.ops.linear import linear, linear_golden, linear_reference
 from flowlock.ops.linear import triton as lt
 from flowlock.testing import (
@@ -48,14 +46,9 @@ def _grads(fn, x, w, b, dy):
     return (out, *torch.autograd.grad(out, live, dy.to(out.dtype)))
 
 
-def _with(cfg: LaunchConfig, **blocks) -> LaunchConfig:
-    merged = dict(cfg.blocks) | blocks
-    return dataclasses.replace(cfg, blocks=tuple(sorted(merged.items())))
-
-
 def _tma_cfg(op, dtype):
     """The interpreter-sized config with the TMA (persistent, descriptor) variant switched on."""
-    return _with(launch_config(op, dtype, "interp"), TMA=1, EPI_SPLIT=1 if op == "linear_fwd" else 0, TAIL_SPLIT=1)
+    return launch_config(op, dtype, "interp").with_blocks(TMA=1, EPI_SPLIT=1 if op == "linear_fwd" else 0, TAIL_SPLIT=1)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
@@ -215,11 +208,11 @@ def test_tma_tail_split_moves_no_arithmetic(op, rows, cols):
             "linear_dx": lambda c: lt.linear_dx(a80, b80.T.contiguous(), BF16, config=c),
             "linear_dw": lambda c: lt.linear_dw(a40, b40, torch.empty(rows, cols, dtype=BF16), FP32, config=c)}
     cfg = _tma_cfg(op, BF16)
-    whole = runs[op](_with(cfg, TAIL_SPLIT=0))
+    whole = runs[op](cfg.with_blocks(TAIL_SPLIT=0))
     assert whole.shape == (rows, cols)
     assert_bitwise_equal(runs[op](cfg), whole, f"{op} split tail vs whole tiles")
-    assert_bitwise_equal(runs[op](_with(cfg, PER_TILE=1)), whole, f"{op} one TMA program per tile vs the walk")
-    assert_bitwise_equal(runs[op](_with(cfg, TMA=0)), whole, f"{op} TMA walk vs the pointer kernel")
+    assert_bitwise_equal(runs[op](cfg.with_blocks(PER_TILE=1)), whole, f"{op} one TMA program per tile vs the walk")
+    assert_bitwise_equal(runs[op](cfg.with_blocks(TMA=0)), whole, f"{op} TMA walk vs the pointer kernel")
 
 
 @pytest.mark.parametrize("op", ["linear_fwd", "linear_dx"])
@@ -239,12 +232,12 @@ def test_tma_stream_k_moves_no_arithmetic(op, rows, cols, k):
     bias = torch.randn(cols, generator=g).to(BF16)
     runs = {"linear_fwd": lambda c: lt.linear_fwd(a, b, bias, BF16, config=c),
             "linear_dx": lambda c: lt.linear_dx(a, b.T.contiguous(), BF16, config=c)}
-    cfg = _with(_tma_cfg(op, BF16), STREAM_K=1)
+    cfg = _tma_cfg(op, BF16).with_blocks(STREAM_K=1)
     tiles = -(-rows // cfg["BLOCK_I"]) * -(-cols // cfg["BLOCK_J"])
     assert lt.streams_k(True, cfg["UNIT"], False, tiles, lt._INTERP_PROGRAMS) == (tiles == 4)
-    whole = runs[op](_with(cfg, STREAM_K=0, TAIL_SPLIT=0))
+    whole = runs[op](cfg.with_blocks(STREAM_K=0, TAIL_SPLIT=0))
     assert_bitwise_equal(runs[op](cfg), whole, f"{op} {rows}x{cols} K={k}: stream-K vs whole tiles")
-    assert_bitwise_equal(runs[op](_with(cfg, STREAM_K=0)), whole, f"{op} {rows}x{cols}: split tail vs whole tiles")
+    assert_bitwise_equal(runs[op](cfg.with_blocks(STREAM_K=0)), whole, f"{op} {rows}x{cols}: split tail vs whole tiles")
 
 
 def test_stream_k_tail_waits_for_its_head(monkeypatch):
@@ -262,7 +255,7 @@ def test_stream_k_tail_waits_for_its_head(monkeypatch):
 
     monkeypatch.setattr(lt, "_chain_workspace", ticket_from_one)
     with pytest.raises(Exception, match="turn taken out of order"):  # the interpreter wraps the RuntimeError
-        lt.linear_fwd(a, b, None, BF16, config=_with(_tma_cfg("linear_fwd", BF16), STREAM_K=1))
+        lt.linear_fwd(a, b, None, BF16, config=_tma_cfg("linear_fwd", BF16).with_blocks(STREAM_K=1))
 
 
 def test_stream_k_only_for_one_chain_and_one_round_plus_half():
@@ -304,7 +297,7 @@ def test_dw_token_unit_fold_reproduces_from_unit_partials(variant):
     """SP readiness: per-unit fp32 partials computed on row slices, folded left, equal the full dW."""
     cfg = launch_config("linear_dw", BF16, "interp")
     if variant != "pointer":
-        cfg = _with(_tma_cfg("linear_dw", BF16), FLAT_UNITS=int(variant == "tma_flat"))
+        cfg = _tma_cfg("linear_dw", BF16).with_blocks(FLAT_UNITS=int(variant == "tma_flat"))
     unit = cfg["UNIT"]
     m = 2 * unit + 9
     x, w, _ = _data(m, 40, 80, BF16, seed=10)
@@ -315,7 +308,7 @@ def test_dw_token_unit_fold_reproduces_from_unit_partials(variant):
         folded = folded + lt.linear_dw(dy[s:s + unit], x[s:s + unit], w, FP32, config=cfg)
     assert_bitwise_equal(full, folded, "dW vs left fold of unit partials")
     if variant == "tma_flat":
-        nested = lt.linear_dw(dy, x, w, FP32, config=_with(cfg, FLAT_UNITS=0))
+        nested = lt.linear_dw(dy, x, w, FP32, config=cfg.with_blocks(FLAT_UNITS=0))
         assert_bitwise_equal(full, nested, "flat unit loop vs nested unit loop")
     assert_bitwise_equal(lt.linear_dw(dy, x, w, BF16, config=cfg), full.to(BF16), "dW rounds the fp32 fold once")
 

@@ -4,8 +4,6 @@ gives the bits of Triton's own launch, for new tensors at new addresses too, and
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_prepared_gpu.py
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -81,8 +79,7 @@ def test_stream_k_relaunch_takes_a_fresh_workspace():
     """A prepared STREAM_K launch (the sweep candidate) gets a zeroed ticket and turn flags on every
     relaunch: reused ones would hand out tickets past the last program."""
     x, w, _, dy = _operands(torch.bfloat16, False, seed=2, size="q")
-    cfg = lt.lookup("linear_dx", w, dy, w)
-    cfg = dataclasses.replace(cfg, blocks=tuple(sorted((dict(cfg.blocks) | {"STREAM_K": 1}).items())))
+    cfg = lt.lookup("linear_dx", w, dy, w).with_blocks(STREAM_K=1)
     lt._TMA_PLANS.clear()
     first = lt.linear_dx(dy, w, torch.bfloat16, config=cfg)
     assert [plan[2] for plan in lt._TMA_PLANS.values()] == [True], "one plan, stream-K"

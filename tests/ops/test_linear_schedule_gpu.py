@@ -8,7 +8,6 @@ two run one by one.
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_schedule_gpu.py
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -31,11 +30,6 @@ TOKENS = (925, 4253, 64)
 SCHEDULES = ("frozen", "stream_k", "whole")
 
 
-def _with(cfg, **blocks):
-    merged = dict(cfg.blocks) | blocks
-    return dataclasses.replace(cfg, blocks=tuple(sorted(merged.items())))
-
-
 def _operands(m, n, k, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
@@ -51,9 +45,9 @@ def _products(x, w, dy, schedule: str = "frozen"):
             (("linear_fwd", (x, w)), ("linear_dx", (dy, w)), ("linear_dw", (dy, x)))}
     assert all(dict(c.blocks).get("TAIL_SPLIT") for c in cfgs.values()), "the sm90 configs split the tail"
     if schedule == "stream_k":
-        cfgs = {op: _with(c, STREAM_K=1) for op, c in cfgs.items()}
+        cfgs = {op: c.with_blocks(STREAM_K=1) for op, c in cfgs.items()}
     elif schedule == "whole":
-        cfgs = {op: _with(c, TAIL_SPLIT=0) for op, c in cfgs.items()}
+        cfgs = {op: c.with_blocks(TAIL_SPLIT=0) for op, c in cfgs.items()}
     return (lt.linear_fwd(x, w, None, BF16, config=cfgs["linear_fwd"]),
             lt.linear_dx(dy, w, BF16, config=cfgs["linear_dx"]),
             lt.linear_dw(dy, x, w, BF16, config=cfgs["linear_dw"]))
@@ -83,7 +77,7 @@ def test_stream_k_repeats_beside_other_work(name):
     x, w, dy = _operands(925, n, k, seed=3)
     want = _products(x, w, dy, "whole")
     bx, bw, bdy = _operands(4253, n, k, seed=4)
-    busy_cfg = _with(lt.lookup("linear_dw", bw, bdy, bx), PER_TILE=1)
+    busy_cfg = lt.lookup("linear_dw", bw, bdy, bx).with_blocks(PER_TILE=1)
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     for round_ in range(3):
         side.wait_stream(main)
@@ -125,7 +119,7 @@ def test_dw_beside_dx_keeps_the_bits(name):
         dx_tiles = -(-m // dx_cfg["BLOCK_I"]) * -(-k // dx_cfg["BLOCK_J"])
         assert lt.runs_beside(dx_tiles, sms) == (m == 925), f"{name} M={m}: {dx_tiles} dX tiles on {sms} SMs"
         dx_alone = lt.linear_dx(dy, w, BF16)
-        dw_alone = lt.linear_dw(dy, x, w, BF16, config=_with(cfg, PER_TILE=0))
+        dw_alone = lt.linear_dw(dy, x, w, BF16, config=cfg.with_blocks(PER_TILE=0))
         dx, dw = lt.linear_dx_dw(dy, x, w, BF16, BF16)
         assert torch.equal(dx, dx_alone) and torch.equal(dw, dw_alone), f"{name} M={m}"
         dy2 = torch.empty_like(dy)

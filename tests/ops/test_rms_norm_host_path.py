@@ -2,8 +2,6 @@
 same bits, and the modulated backward's three gradients share one partials buffer and one fold with
 the bits of the separate launches it replaced."""
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -100,8 +98,7 @@ def test_dweight_column_block_moves_no_arithmetic(lead, s, h, device):
     with flowlock.use_backend("triton"):
         _, rstd = rt.rms_norm_fwd(x, weight, 1e-5, shift, scale, index)
         for block_c in (64, 16, 4):
-            cfg = dataclasses.replace(frozen, blocks=tuple(sorted((dict(frozen.blocks)
-                                                                   | {"SUB_ROWS": 1, "BLOCK_C": block_c}).items())))
+            cfg = frozen.with_blocks(SUB_ROWS=1, BLOCK_C=block_c)
             runs.append(rt.rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, config=cfg))
     for block_c, got in zip((16, 4), runs[1:]):
         assert_bitwise_equal(got, runs[0], f"BLOCK_C {block_c} vs 64")

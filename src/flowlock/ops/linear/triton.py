@@ -36,7 +36,6 @@ handed to the next program to continue the same chain, so it too keeps every ele
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -615,7 +614,7 @@ def runs_beside(dx_tiles: int, processors: int) -> bool:
 @functools.cache
 def _walking(cfg: LaunchConfig) -> LaunchConfig:
     """``cfg`` with PER_TILE off: the persistent walk (same kernel and bits)."""
-    return dataclasses.replace(cfg, blocks=tuple((k, 0 if k == "PER_TILE" else v) for k, v in cfg.blocks))
+    return cfg.with_blocks(PER_TILE=0)
 
 
 def linear_dx_dw(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, dx_dtype: torch.dtype,
