@@ -48,9 +48,10 @@ def _extra(parser):
     parser.add_argument("--sweep-candidates", type=int, nargs="*", default=None,
                         help="time just these candidate indices (0: the frozen config, 1: it walking whole tiles, "
                              "2: it with STREAM_K)")
-    parser.add_argument("--stream-k", action="store_true",
-                        help="forward and dX with STREAM_K added to the frozen configs against the frozen ones "
-                             "(same bits, checked) and against cuBLAS, at --sweep-m or the default M")
+    parser.add_argument("--variant", nargs="+", default=None, metavar="BLOCK=VALUE",
+                        help="forward and dX with these blocks set in the frozen configs (STREAM_K=1, ROW_TAIL=0) "
+                             "against the frozen ones (same bits, checked) and against cuBLAS, at --sweep-m or the "
+                             "default M")
     parser.add_argument("--beside", action="store_true",
                         help="time dW beside dX (linear_dx_dw) against the two one by one (at --sweep-m)")
     parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
@@ -189,7 +190,7 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
         return dataclasses.replace(base.with_blocks(**blocks), num_warps=warps, num_stages=stages)
 
     if op == "linear_dw":
-        return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
+        return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0, ROW_TAIL=0),
                 mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1),
                 mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1, FLATTEN=1),
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=0, FLAT_UNITS=0, FLATTEN=0),
@@ -197,7 +198,7 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
     # then smaller tiles (more, shorter waves: N = 5376 at M = 4096 leaves a 0.18 last wave of 128x128
     # tiles), deeper pipelines and other tile-group heights (none beat 128x128 there in the sweep of
     # 49d5e61, which also tried two persistent programs per SM)
-    return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
+    return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0, ROW_TAIL=0),
             mk(base.num_warps, base.num_stages, STREAM_K=1),
             mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=1),
             mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
@@ -280,11 +281,10 @@ def _beside(device, shapes, ms, t_end) -> list[dict]:
     return results
 
 
-def _stream_k(device, shapes, ms, t_end) -> list[dict]:
-    """Forward and dX of each layer with the frozen config plus STREAM_K (the exact stream-K candidate,
-    which shares the tiles out when they are one round of the SMs plus at most half a round) against
-    the frozen config and against cuBLAS; same bits checked; queued (the GPU's rate) and idle (host
-    launch time counts, with stream-K's zeroed workspace)."""
+def _variant(device, shapes, ms, t_end, blocks: dict[str, int]) -> list[dict]:
+    """Forward and dX of each layer with the frozen config's ``blocks`` set (a schedule that moves no
+    bits: STREAM_K=1, ROW_TAIL=0, TAIL_SPLIT=0) against the frozen config and against cuBLAS; same
+    bits checked; queued (the GPU's rate) and idle (host launch time counts)."""
     results = []
     for m in ms:
         for name, (n, k) in shapes.items():
@@ -297,21 +297,30 @@ def _stream_k(device, shapes, ms, t_end) -> list[dict]:
                 if time.perf_counter() > t_end:
                     return results
                 frozen = launch_config(op, BF16, arch_of(w), (n, k))
-                cfg = frozen.with_blocks(STREAM_K=1)
-                tiles = -(-m // cfg["BLOCK_I"]) * -(-(n if op == "linear_fwd" else k) // cfg["BLOCK_J"])
+                cfg = frozen.with_blocks(**blocks)
+                cols = n if op == "linear_fwd" else k
+                tiles = -(-m // cfg["BLOCK_I"]) * -(-cols // cfg["BLOCK_J"])
                 sms = lt._num_programs(device.index or 0) if device.type == "cuda" else lt._INTERP_PROGRAMS
-                row = {"shape": name, "m": m, "op": op, "tiles": tiles,
-                       "stream_k": lt.streams_k(True, cfg["UNIT"], False, tiles, sms),
+                programs = lt.tma_programs(tiles, sms, True, False)
+                row = {"shape": name, "m": m, "op": op, "tiles": tiles, "variant": blocks,
+                       "stream_k": lt.streams_k(bool(dict(cfg.blocks).get("STREAM_K", 0)), cfg["UNIT"], False, tiles,
+                                                sms),
+                       "short_rows": {label: lt.short_rows(m, c["BLOCK_I"], -(-cols // c["BLOCK_J"]), programs, True,
+                                                           bool(dict(c.blocks).get("ROW_TAIL", 0)))
+                                      for label, c in (("variant", cfg), ("frozen", frozen))},
                        "same_bits": _eq(run(cfg), run(frozen))}
                 for mode, queued in (("idle", False), ("queued", True)):
                     r = harness.time_pair(lambda _, c=cfg, f=run: f(c), lambda _, c=frozen, f=run: f(c),
                                           device=device, iters=20, warmup=2, queued=queued)
-                    row[mode] = {"stream_k_ms": r["a"]["median_ms"], "frozen_ms": r["b"]["median_ms"],
-                                 "stream_k_over_frozen": r["ratio_a_over_b"]}
+                    row[mode] = {"variant_ms": r["a"]["median_ms"], "frozen_ms": r["b"]["median_ms"],
+                                 "variant_over_frozen": r["ratio_a_over_b"]}
                 r = harness.time_pair(lambda _, c=cfg, f=run: f(c), cublas, device=device, iters=20, warmup=2,
                                       queued=True)
                 row["queued"]["cublas_ms"] = r["b"]["median_ms"]
                 row["queued"]["ratio_of_cublas_throughput"] = r["b"]["median_ms"] / r["a"]["median_ms"]
+                r = harness.time_pair(lambda _, c=frozen, f=run: f(c), cublas, device=device, iters=20, warmup=2,
+                                      queued=True)
+                row["queued"]["frozen_ratio_of_cublas_throughput"] = r["b"]["median_ms"] / r["a"]["median_ms"]
                 results.append(row)
                 print(name, m, op, row, flush=True)
     return results
@@ -369,9 +378,11 @@ def main(argv=None) -> None:
 
         if not args.sweep_only_run:
             _section(payload, "cases", cases, args.out)
-        if args.stream_k:
-            sk_shapes = shapes if args.smoke else BESIDE_SHAPES
-            _section(payload, "stream_k", lambda: _stream_k(device, sk_shapes, args.sweep_m or ms, t_end), args.out)
+        if args.variant:
+            blocks = {k: int(v) for k, v in (item.split("=") for item in args.variant)}
+            variant_shapes = shapes if args.smoke else BESIDE_SHAPES
+            _section(payload, "variant", lambda: _variant(device, variant_shapes, args.sweep_m or ms, t_end, blocks),
+                     args.out)
         if args.beside:
             beside_shapes = shapes if args.smoke else BESIDE_SHAPES
             _section(payload, "beside", lambda: _beside(device, beside_shapes, args.sweep_m or ms, t_end), args.out)
