@@ -583,7 +583,8 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
     programs = tma_programs(tiles, _num_programs(c.device.index or 0) if c.is_cuda else _INTERP_PROGRAMS,
                             tail_split, per_tile)
     stream_k = streams_k(stream_k, cfg["UNIT"], compensated, tiles, programs)
-    short = not stream_k and short_rows(i_dim, bi, -(-j_dim // bj), programs, tail_split, row_tail)
+    # one program per tile (PER_TILE) keeps whole tiles: short rows would split every walked tile
+    short = not (stream_k or per_tile) and short_rows(i_dim, bi, -(-j_dim // bj), programs, tail_split, row_tail)
     chain, turns = _chain_workspace(c, programs, cfg) if stream_k else (c, c)
     args = (*descriptors, bias_arg, chain, turns, i_dim, j_dim, r_dim)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=cfg["UNIT"], FP32_DOT=fp32_dot,
