@@ -49,7 +49,7 @@ def _extra(parser):
                         help="time just these candidate indices (0: the frozen config, 1: it walking whole tiles, "
                              "2: it with STREAM_K)")
     parser.add_argument("--variant", nargs="+", default=None, metavar="BLOCK=VALUE",
-                        help="forward and dX with these blocks set in the frozen configs (STREAM_K=1, ROW_TAIL=0) "
+                        help="forward and dX with these blocks set in the frozen configs (e.g. STREAM_K=1) "
                              "against the frozen ones (same bits, checked) and against cuBLAS, at --sweep-m or the "
                              "default M")
     parser.add_argument("--beside", action="store_true",
@@ -190,7 +190,7 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
         return dataclasses.replace(base.with_blocks(**blocks), num_warps=warps, num_stages=stages)
 
     if op == "linear_dw":
-        return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0, ROW_TAIL=0),
+        return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
                 mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1),
                 mk(8, 4, BLOCK_I=128, BLOCK_J=128, EPI_SPLIT=0, FLAT_UNITS=1, FLATTEN=1),
                 mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=0, FLAT_UNITS=0, FLATTEN=0),
@@ -198,7 +198,7 @@ def _candidates(op: str, base: LaunchConfig) -> list[LaunchConfig]:
     # then smaller tiles (more, shorter waves: N = 5376 at M = 4096 leaves a 0.18 last wave of 128x128
     # tiles), deeper pipelines and other tile-group heights (none beat 128x128 there in the sweep of
     # 49d5e61, which also tried two persistent programs per SM)
-    return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0, ROW_TAIL=0),
+    return [base, mk(base.num_warps, base.num_stages, TAIL_SPLIT=0),
             mk(base.num_warps, base.num_stages, STREAM_K=1),
             mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=1),
             mk(8, 3, BLOCK_I=128, BLOCK_J=256, EPI_SPLIT=1, FLATTEN=0),
@@ -283,7 +283,7 @@ def _beside(device, shapes, ms, t_end) -> list[dict]:
 
 def _variant(device, shapes, ms, t_end, blocks: dict[str, int]) -> list[dict]:
     """Forward and dX of each layer with the frozen config's ``blocks`` set (a schedule that moves no
-    bits: STREAM_K=1, ROW_TAIL=0, TAIL_SPLIT=0) against the frozen config and against cuBLAS; same
+    bits: STREAM_K=1, TAIL_SPLIT=0) against the frozen config and against cuBLAS; same
     bits checked; queued (the GPU's rate) and idle (host launch time counts)."""
     results = []
     for m in ms:
@@ -301,13 +301,9 @@ def _variant(device, shapes, ms, t_end, blocks: dict[str, int]) -> list[dict]:
                 cols = n if op == "linear_fwd" else k
                 tiles = -(-m // cfg["BLOCK_I"]) * -(-cols // cfg["BLOCK_J"])
                 sms = lt._num_programs(device.index or 0) if device.type == "cuda" else lt._INTERP_PROGRAMS
-                programs = lt.tma_programs(tiles, sms, True, False)
                 row = {"shape": name, "m": m, "op": op, "tiles": tiles, "variant": blocks,
                        "stream_k": lt.streams_k(bool(dict(cfg.blocks).get("STREAM_K", 0)), cfg["UNIT"], False, tiles,
                                                 sms),
-                       "short_rows": {label: lt.short_rows(m, c["BLOCK_I"], -(-cols // c["BLOCK_J"]), programs, True,
-                                                           bool(dict(c.blocks).get("ROW_TAIL", 0)))
-                                      for label, c in (("variant", cfg), ("frozen", frozen))},
                        "same_bits": _eq(run(cfg), run(frozen))}
                 for mode, queued in (("idle", False), ("queued", True)):
                     r = harness.time_pair(lambda _, c=cfg, f=run: f(c), lambda _, c=frozen, f=run: f(c),

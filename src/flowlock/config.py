@@ -198,26 +198,23 @@ for _dt in ("bf16", "fp16", "fp32"):
 # sm90 entries: chosen on one H200 (torch 2.11, triton 3.6) by `bench_linear.py --sweep`, candidates timed against
 # cuBLAS at M = 4096/16384/32768, best worst-case ratio kept (benchmarks/results/linear_h200_run2.json).
 _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
-# TAIL_SPLIT (half-width tiles for a partial last round of the persistent walk), ROW_TAIL (half-height tiles
-# for a last row block of at most 64 rows, where the launch ends no later: flowlock.ops.linear.triton.short_rows)
-# and PER_TILE (one program per tile, for dW on a side stream beside dX while dX is at most 4 rounds of the
-# SMs; the persistent walk after dX otherwise: flowlock.ops.linear.triton.linear_dx_dw, runs_beside) move no
-# arithmetic. STREAM_K
+# TAIL_SPLIT (half-width tiles for a partial last round of the persistent walk) and PER_TILE (one program
+# per tile, for dW on a side stream beside dX while dX is at most 4 rounds of the SMs; the persistent walk
+# after dX otherwise: flowlock.ops.linear.triton.linear_dx_dw, runs_beside) move no arithmetic. STREAM_K
 # (the kernel's exact stream-K, same bits) is a sweep candidate only: faster alone for dX at M = 925, no
 # faster in the model step, where dW beside dX already fills those SMs (docs/performance.md).
 # fp16 takes the bf16 tiles untimed: the same operand bytes and tensor-core rate, the same fp32 accumulator
 for _dt in ("bf16", "fp16"):
     _note = _LINEAR_SM90 if _dt == "bf16" else "bf16 tiles, untimed for fp16"
     register("linear_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, ROW_TAIL=1, note=_note))
+                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, note=_note))
     for _shape in ((5376, 7168), (5376, 14336)):  # N = 5376: 128-wide tiles fill the last wave better at M = 4096
         register("linear_fwd", _dt, "sm90", _cfg(8, 4, BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, GROUP_I=8, UNIT=0,
-                                                 TMA=1, EPI_SPLIT=0, FLATTEN=1, TAIL_SPLIT=1, ROW_TAIL=1, note=_note),
-                 _shape)
+                                                 TMA=1, EPI_SPLIT=0, FLATTEN=1, TAIL_SPLIT=1, note=_note), _shape)
     register("linear_dx", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                            EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, ROW_TAIL=1, note=_note))
+                                            EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, note=_note))
     register("linear_dw", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
-                                            EPI_SPLIT=1, FLAT_UNITS=1, TAIL_SPLIT=1, ROW_TAIL=1, PER_TILE=1,
+                                            EPI_SPLIT=1, FLAT_UNITS=1, TAIL_SPLIT=1, PER_TILE=1,
                                             note=_note + "; UNIT = dW token unit; PER_TILE: runs beside dX"))
     register("linear_dbias", _dt, "sm90", _cfg(4, BLOCK_N=64, BLOCK_R=64, UNIT=1024, note="by design; ran, not timed"))
 for _op, _unit in (("linear_fwd", 0), ("linear_dx", 0), ("linear_dw", 1024)):

@@ -61,8 +61,7 @@ def main() -> None:
                 BLOCK_R=32, GROUP_I=8)
     tma_sig = {"a_desc": "tensordesc<fp32[64,32]>", "b_desc": "tensordesc<fp32[64,32]>",
                "c_desc": "tensordesc<fp32[64,64]>", "b_half_desc": "tensordesc<fp32[32,32]>",
-               "c_half_desc": "tensordesc<fp32[64,32]>", "a_short_desc": "tensordesc<fp32[32,32]>",
-               "c_short_desc": "tensordesc<fp32[32,64]>", "bias_ptr": "*fp32", "chain_ptr": "*fp32", "turns": "*i32",
+               "c_half_desc": "tensordesc<fp32[64,32]>", "bias_ptr": "*fp32", "chain_ptr": "*fp32", "turns": "*i32",
                "I": "i32", "J": "i32", "R": "i32"}
     ptr_sig = dict.fromkeys(("I", "J", "R", "stride_ai", "stride_ar", "stride_br", "stride_bj", "stride_ci",
                              "stride_cj"), "i32")
@@ -87,7 +86,7 @@ def main() -> None:
         cases[f"linear_tma_unit{units}{'_flat' if flat else ''}"] = (
             linear_kernels._linear_gemm_tma_kernel, tma_sig,
             dict(gemm, UNIT=units, A_T=False, B_T=True, EPI_SPLIT=False, FLATTEN=False, FLAT_UNITS=flat,
-                 TAIL_SPLIT=True, SHORT_ROWS=True, STREAM_K=False, NUM_PROGRAMS=132))
+                 TAIL_SPLIT=True, STREAM_K=False, NUM_PROGRAMS=132))
     print(json.dumps({name: _dots(_ttgir(*case)) for name, case in cases.items()}))
 
 

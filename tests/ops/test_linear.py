@@ -215,53 +215,6 @@ def test_tma_tail_split_moves_no_arithmetic(op, rows, cols):
     assert_bitwise_equal(runs[op](cfg.with_blocks(TMA=0)), whole, f"{op} TMA walk vs the pointer kernel")
 
 
-@pytest.mark.parametrize("op", ["linear_fwd", "linear_dx", "linear_dw"])
-@pytest.mark.parametrize(("rows", "cols"), [(40, 48), (40, 40), (56, 48), (8, 48), (24, 16), (48, 48)])
-def test_tma_short_rows_move_no_arithmetic(op, rows, cols):
-    """A last row block of at most half a tile's rows run as half-height tiles (ROW_TAIL) gives every
-    element the bits of the walk over whole tiles.
-
-    16 x 16 tiles, 3 programs under the interpreter: 40 rows end 8 rows into their third row block, so
-    the walk covers 6 tiles and the 3 short tiles follow (with 40 columns the last column tile is half
-    wide); 56 rows leave a split tail of 9 walked tiles before the short ones; 8 rows are one short row
-    block; 24 x 16 is 2 tiles on 2 programs, one walked tile split in halves beside one short tile; 48
-    rows fill their last row block, which is no short block.
-    """
-    g = torch.Generator().manual_seed(13)
-    a80, a40 = torch.randn(rows, 80, generator=g).to(BF16), torch.randn(40, rows, generator=g).to(BF16)
-    b80, b40 = torch.randn(cols, 80, generator=g).to(BF16), torch.randn(40, cols, generator=g).to(BF16)
-    bias = torch.randn(cols, generator=g).to(BF16)
-    runs = {"linear_fwd": lambda c: lt.linear_fwd(a80, b80, bias, BF16, config=c),
-            "linear_dx": lambda c: lt.linear_dx(a80, b80.T.contiguous(), BF16, config=c),
-            "linear_dw": lambda c: lt.linear_dw(a40, b40, torch.empty(rows, cols, dtype=BF16), FP32, config=c)}
-    cfg = _tma_cfg(op, BF16).with_blocks(ROW_TAIL=1)
-    bi, bj = cfg["BLOCK_I"], cfg["BLOCK_J"]
-    tiles = -(-rows // bi) * -(-cols // bj)
-    programs = lt.tma_programs(tiles, lt._INTERP_PROGRAMS, True, False)
-    assert lt.short_rows(rows, bi, -(-cols // bj), programs, True, True) == (rows != 48)
-    whole = runs[op](cfg.with_blocks(ROW_TAIL=0, TAIL_SPLIT=0))
-    assert whole.shape == (rows, cols)
-    assert_bitwise_equal(runs[op](cfg), whole, f"{op} {rows}x{cols}: short rows vs whole tiles")
-    assert_bitwise_equal(runs[op](cfg.with_blocks(PER_TILE=1)), whole, f"{op} {rows}x{cols}: one program per tile")
-
-
-def test_short_rows_only_where_the_launch_ends_no_later():
-    """On 132 SMs with 128-row tiles, H3's 925 tokens (29 rows past 896) run short rows in the forward
-    of out and fc2 (336 tiles of 128 x 128: 3 rounds become 2.5) and of fc1 (896 of 128 x 256: 7 become
-    6.5), and in dX of q (168 tiles: 1.5 rounds either way, 10.5 fewer tiles of work); never for a full
-    row block, a last block of more than 64 rows, or a config without ROW_TAIL; every bf16 sm90 linear
-    config has it."""
-    assert lt._half_rounds(336, 132, True) == 6 and lt.short_rows(925, 128, 42, 132, True, True)
-    assert lt._half_rounds(896, 132, True) == 14 and lt.short_rows(925, 128, 112, 132, True, True)
-    assert lt._half_rounds(168, 132, True) == 3 and lt.short_rows(925, 128, 21, 132, True, True)
-    assert not lt.short_rows(925, 128, 42, 132, True, False)
-    assert not lt.short_rows(1024, 128, 42, 132, True, True)
-    assert not lt.short_rows(961, 128, 42, 132, True, True)
-    assert lt.short_rows(29, 128, 112, 132, True, True)
-    for op in ("linear_fwd", "linear_dx", "linear_dw"):
-        assert dict(launch_config(op, BF16, "sm90").blocks).get("ROW_TAIL") == 1
-
-
 @pytest.mark.parametrize("op", ["linear_fwd", "linear_dx"])
 @pytest.mark.parametrize(("rows", "cols", "k"), [(32, 32, 80), (64, 16, 200), (16, 64, 48), (56, 56, 80)])
 def test_tma_stream_k_moves_no_arithmetic(op, rows, cols, k):

@@ -1,6 +1,5 @@
 """How linear's tiles are scheduled moves no arithmetic, on a Hopper GPU at H3's shapes: the frozen
-configs (TAIL_SPLIT: the walk's partial last round as half-width tiles; ROW_TAIL: a last row block of at
-most 64 rows as half-height tiles, at M = 925 and 4253 29 rows past a multiple of 128) and the same with STREAM_K (the
+configs (TAIL_SPLIT: the walk's partial last round as half-width tiles) and the same with STREAM_K (the
 sweep candidate sharing one round plus a short tail out, cut tiles' fp32 accumulators handed on) give
 the bits of the same configs walking whole tiles, rows keep their bits across token counts whose walks
 split differently, and dW on a side stream beside dX (``linear_dx_dw``, PER_TILE) gives the bits of the
@@ -24,9 +23,9 @@ pytestmark = [
 BF16 = torch.bfloat16
 # (N, K) of H3's linear weights: q (k, v alike), out, fc1, fc2 and the fused qkv.
 SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336), "qkv": (21504, 5376)}
-# 925: dX of q and fc1 is 168 tiles (tail 36, split; stream-K with STREAM_K; 147 whole and 21 short with
-# ROW_TAIL), the forward of q 224, of out and fc2 336 (294 whole, 42 short); 4253: 714 tiles (tail 54, split;
-# short rows); 64: one row of tiles, fewer tiles than SMs (half-height tiles, one per program).
+# 925: dX of q and fc1 is 168 tiles (tail 36, split; stream-K with STREAM_K), the forward of q 224; 4253: 714
+# tiles (tail 54, split);
+# 64: one row of tiles, fewer tiles than SMs (every tile split where the halves fit one round).
 TOKENS = (925, 4253, 64)
 SCHEDULES = ("frozen", "stream_k", "whole")
 
@@ -41,16 +40,14 @@ def _operands(m, n, k, seed=0):
 
 def _products(x, w, dy, schedule: str = "frozen"):
     """Forward, dX and dW with the frozen configs, those with STREAM_K on (``stream_k``; dW has token
-    units, so it keeps the walk), or those without TAIL_SPLIT and ROW_TAIL (``whole``: the walk over
-    whole tiles)."""
+    units, so it keeps the walk), or those without TAIL_SPLIT (``whole``: the walk over whole tiles)."""
     cfgs = {op: lt.lookup(op, w, *ops) for op, ops in
             (("linear_fwd", (x, w)), ("linear_dx", (dy, w)), ("linear_dw", (dy, x)))}
-    assert all(dict(c.blocks).get("TAIL_SPLIT") and dict(c.blocks).get("ROW_TAIL") for c in cfgs.values()), \
-        "the sm90 configs split the tail and run short rows"
+    assert all(dict(c.blocks).get("TAIL_SPLIT") for c in cfgs.values()), "the sm90 configs split the tail"
     if schedule == "stream_k":
         cfgs = {op: c.with_blocks(STREAM_K=1) for op, c in cfgs.items()}
     elif schedule == "whole":
-        cfgs = {op: c.with_blocks(TAIL_SPLIT=0, ROW_TAIL=0) for op, c in cfgs.items()}
+        cfgs = {op: c.with_blocks(TAIL_SPLIT=0) for op, c in cfgs.items()}
     return (lt.linear_fwd(x, w, None, BF16, config=cfgs["linear_fwd"]),
             lt.linear_dx(dy, w, BF16, config=cfgs["linear_dx"]),
             lt.linear_dw(dy, x, w, BF16, config=cfgs["linear_dw"]))
@@ -63,9 +60,6 @@ def _same_bits(a, b):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_stream_k_and_split_tail_keep_the_bits(name):
     n, k = SHAPES[name]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if name in ("out", "fc2") and sms == 132:
-        assert lt.short_rows(925, 128, n // 128, sms, True, True), "the forward at M = 925 runs short rows"
     for m in TOKENS + (16384,):
         x, w, dy = _operands(m, n, k)
         whole = _products(x, w, dy, "whole")

@@ -29,9 +29,7 @@ Two kernel variants share these semantics; the launch config names the one to us
 tile order) and ``_linear_gemm_kernel`` (plain masked ``tl.load``, any GPU and the interpreter).
 The TMA variant may run the last, partial round of its walk as half-width tiles (``TAIL_SPLIT``):
 at M = 925 the dX of q, k, v and fc1 is 168 tiles of 128 x 256 on 132 SMs, whose second round
-would leave 96 SMs idle for a whole tile's time. With ``ROW_TAIL`` a last row block of at most half
-a tile's rows runs as half-height tiles beside those halves (at M = 925, 29 rows past 896), where
-that ends the launch sooner. ``STREAM_K`` (a sweep candidate, in no frozen
+would leave 96 SMs idle for a whole tile's time. ``STREAM_K`` (a sweep candidate, in no frozen
 config) shares such a launch's BLOCK_R steps out evenly instead, a cut tile's fp32 accumulator
 handed to the next program to continue the same chain, so it too keeps every element's bits.
 """
@@ -309,13 +307,12 @@ def _split_tail(tiles, NUM_PROGRAMS: tl.constexpr, TAIL_SPLIT: tl.constexpr):
 
 @fast_launch
 @triton.jit
-def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, a_short_desc, c_short_desc, bias_ptr,
-                            chain_ptr, turns, I, J, R,
+def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bias_ptr, chain_ptr, turns, I, J, R,
                             A_T: tl.constexpr, B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
                             UNIT: tl.constexpr, FP32_DOT: tl.constexpr, COMPENSATED: tl.constexpr,
                             SOFT_BF16: tl.constexpr,
                             EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, FLAT_UNITS: tl.constexpr,
-                            TAIL_SPLIT: tl.constexpr, SHORT_ROWS: tl.constexpr, STREAM_K: tl.constexpr,
+                            TAIL_SPLIT: tl.constexpr, STREAM_K: tl.constexpr,
                             BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
                             GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """TMA variant: persistent programs walk the grouped tile order with stride NUM_PROGRAMS.
@@ -324,19 +321,12 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, a_
     (A_T); B is (BLOCK_R, BLOCK_J), or (BLOCK_J, BLOCK_R) when B_T; C is (BLOCK_I, BLOCK_J), or
     (BLOCK_I, BLOCK_J // 2) with EPI_SPLIT, which stores the tile in two halves to halve the
     epilogue's shared memory. ``b_half_desc`` and ``c_half_desc`` are B and C with BLOCK_J // 2 in
-    place of BLOCK_J, for the split tail; ``a_short_desc`` and ``c_short_desc`` are A and C with
-    BLOCK_I // 2 rows (C whole, not split), for short rows. FLATTEN lets the compiler pipeline across
-    tile boundaries and FLAT_UNITS runs the token units as one loop (no pipeline drain at unit
-    boundaries).
+    place of BLOCK_J, for the split tail. FLATTEN lets the compiler pipeline across tile boundaries
+    and FLAT_UNITS runs the token units as one loop (no pipeline drain at unit boundaries).
 
     TAIL_SPLIT: when the walk's last round would leave most programs idle (tail tiles t with
     2 t <= NUM_PROGRAMS), those t tiles run as 2 t half-width tiles, one per program, so the round
     takes about half a tile's time.
-
-    SHORT_ROWS (the launcher decides it, :func:`short_rows`): the last row block holds at most
-    BLOCK_I // 2 rows, so its tiles run as half-height tiles; the walk covers the other row blocks,
-    its partial last round always split into half-width tiles, and the half-height tiles follow
-    those, one per program.
 
     STREAM_K (one unit, no compensation; the launcher sets it only for one round plus a tail of at
     most half a round, :func:`streams_k`): in place of the walk, all tiles are shared out in equal runs
@@ -355,30 +345,20 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, a_
                         J, R, A_T, B_T, HAS_BIAS, FP32_DOT, SOFT_BF16, EPI_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R,
                         GROUP_I, NUM_PROGRAMS)
     else:
-        whole_rows = n_i - SHORT_ROWS
-        walked = whole_rows * n_j
-        if SHORT_ROWS:
-            tail = walked % NUM_PROGRAMS
-        else:
-            tail = _split_tail(walked, NUM_PROGRAMS, TAIL_SPLIT)
-        for tile in tl.range(tl.program_id(0), walked - tail, NUM_PROGRAMS, flatten=FLATTEN):
-            pid_i, pid_j = _tile_coords(tile, whole_rows, n_j, GROUP_I)
+        tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+        for tile in tl.range(tl.program_id(0), tiles - tail, NUM_PROGRAMS, flatten=FLATTEN):
+            pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
             _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T,
                       HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, EPI_SPLIT, FLAT_UNITS, BLOCK_I, BLOCK_J,
                       BLOCK_R)
-        if TAIL_SPLIT or SHORT_ROWS:
-            for half in tl.range(tl.program_id(0), 2 * tail + SHORT_ROWS * n_j, NUM_PROGRAMS):
-                if half < 2 * tail:
-                    pid_i, pid_j = _tile_coords(walked - tail + half // 2, whole_rows, n_j, GROUP_I)
-                    oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
-                    if oj < J:  # the right half of the last column tile may lie wholly past J
-                        _tma_tile(a_desc, b_half_desc, c_half_desc, bias_ptr, pid_i * BLOCK_I, oj, J, R, A_T, B_T,
-                                  HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, False, FLAT_UNITS, BLOCK_I,
-                                  BLOCK_J // 2, BLOCK_R)
-                else:
-                    _tma_tile(a_short_desc, b_desc, c_short_desc, bias_ptr, whole_rows * BLOCK_I,
-                              (half - 2 * tail) * BLOCK_J, J, R, A_T, B_T, HAS_BIAS, UNIT, FP32_DOT, COMPENSATED,
-                              SOFT_BF16, False, FLAT_UNITS, BLOCK_I // 2, BLOCK_J, BLOCK_R)
+        if TAIL_SPLIT:
+            for half in tl.range(tl.program_id(0), 2 * tail, NUM_PROGRAMS):
+                pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+                oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
+                if oj < J:  # the right half of the last column tile may lie wholly past J
+                    _tma_tile(a_desc, b_half_desc, c_half_desc, bias_ptr, pid_i * BLOCK_I, oj, J, R, A_T, B_T,
+                              HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, False, FLAT_UNITS, BLOCK_I,
+                              BLOCK_J // 2, BLOCK_R)
 
 
 @fast_launch
@@ -454,38 +434,11 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _tma_flags(cfg: LaunchConfig) -> tuple[bool, ...]:
-    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, TAIL_SPLIT, ROW_TAIL, PER_TILE, STREAM_K)`` of a TMA config,
-    each optional (absent: off)."""
+    """``(EPI_SPLIT, FLATTEN, FLAT_UNITS, TAIL_SPLIT, PER_TILE, STREAM_K)`` of a TMA config, each
+    optional (absent: off)."""
     blocks = dict(cfg.blocks)
     return tuple(bool(blocks.get(name, 0)) for name in ("EPI_SPLIT", "FLATTEN", "FLAT_UNITS", "TAIL_SPLIT",
-                                                         "ROW_TAIL", "PER_TILE", "STREAM_K"))
-
-
-def _half_rounds(tiles: int, programs: int, tail_split: bool) -> int:
-    """Half-tile times the walk of ``tiles`` whole tiles takes on ``programs`` programs (kernel's
-    ``_split_tail``: a partial last round of at most half the programs runs as half-width tiles)."""
-    tail = tiles % programs
-    return 2 * (tiles // programs) + (0 if tail == 0 else 1 if tail_split and 2 * tail <= programs else 2)
-
-
-def short_rows(rows: int, block_i: int, col_tiles: int, programs: int, tail_split: bool, row_tail: bool) -> bool:
-    """Whether a TMA launch runs its last row block as half-height tiles (the kernel's SHORT_ROWS).
-
-    Only when that block holds at most ``block_i // 2`` rows (the tile's other rows would be zero
-    fill) and the launch then ends no later, counted in half-tile times: the walk over the other row
-    blocks, its partial last round split into half-width tiles, then the ``col_tiles`` half-height
-    tiles one per program, against the walk over all tiles. Ending at the same time it still does
-    less work, which frees SMs for what runs beside it (dW beside dX). H3's token counts 925, 4253 and
-    8349 are 29 rows past a multiple of 128; on 132 SMs the forward of out and fc2 at M = 925 (336
-    tiles of 128 x 128) goes from 3 rounds to 2.5, fc1's (896 of 128 x 256) from 7 to 6.5. Decided
-    from tile counts, like the grid; every element keeps its bits (they depend on its A row, B column
-    and BLOCK_R only)."""
-    row_tiles = -(-rows // block_i)
-    if not row_tail or rows - (row_tiles - 1) * block_i > block_i // 2:
-        return False
-    walked = (row_tiles - 1) * col_tiles
-    then = 2 * (walked // programs) + -(-(2 * (walked % programs) + col_tiles) // programs)
-    return then <= _half_rounds(row_tiles * col_tiles, programs, tail_split)
+                                                         "PER_TILE", "STREAM_K"))
 
 
 def streams_k(stream_k: bool, unit: int, compensated: bool, tiles: int, programs: int) -> bool:
@@ -566,31 +519,27 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
         if plan is not None and not launch_hooked():
             launch, programs, stream_k = plan
             chain, turns = _chain_workspace(c, programs, cfg) if stream_k else (c, c)
-            launch(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, b, c, a, c, bias_arg, chain,
-                   turns, i_dim, j_dim, r_dim)
+            launch(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, b, c, bias_arg, chain, turns,
+                   i_dim, j_dim, r_dim)
             return c
     fp32_dot, compensated, soft_bf16 = _arithmetic(a, b, c)
     bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
     tiles = (-(-i_dim // bi)) * (-(-j_dim // bj))
-    epi_split, flatten, flat_units, tail_split, row_tail, per_tile, stream_k = _tma_flags(cfg)
+    epi_split, flatten, flat_units, tail_split, per_tile, stream_k = _tma_flags(cfg)
     descriptors = (TensorDescriptor.from_tensor(a, [br, bi] if a_t else [bi, br]),
                    TensorDescriptor.from_tensor(b, [bj, br] if b_t else [br, bj]),
                    TensorDescriptor.from_tensor(c, [bi, bj // 2 if epi_split else bj]),
                    TensorDescriptor.from_tensor(b, [bj // 2, br] if b_t else [br, bj // 2]),
-                   TensorDescriptor.from_tensor(c, [bi, bj // 2]),
-                   TensorDescriptor.from_tensor(a, [br, bi // 2] if a_t else [bi // 2, br]),
-                   TensorDescriptor.from_tensor(c, [bi // 2, bj]))
+                   TensorDescriptor.from_tensor(c, [bi, bj // 2]))
     programs = tma_programs(tiles, _num_programs(c.device.index or 0) if c.is_cuda else _INTERP_PROGRAMS,
                             tail_split, per_tile)
     stream_k = streams_k(stream_k, cfg["UNIT"], compensated, tiles, programs)
-    # one program per tile (PER_TILE) keeps whole tiles: short rows would split every walked tile
-    short = not (stream_k or per_tile) and short_rows(i_dim, bi, -(-j_dim // bj), programs, tail_split, row_tail)
     chain, turns = _chain_workspace(c, programs, cfg) if stream_k else (c, c)
     args = (*descriptors, bias_arg, chain, turns, i_dim, j_dim, r_dim)
     kwargs = dict(A_T=a_t, B_T=b_t, HAS_BIAS=bias is not None, UNIT=cfg["UNIT"], FP32_DOT=fp32_dot,
                   COMPENSATED=compensated, SOFT_BF16=soft_bf16, EPI_SPLIT=epi_split, FLATTEN=flatten,
-                  FLAT_UNITS=flat_units, TAIL_SPLIT=tail_split, SHORT_ROWS=short, STREAM_K=stream_k, BLOCK_I=bi,
-                  BLOCK_J=bj, BLOCK_R=br, GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs, num_warps=cfg.num_warps,
+                  FLAT_UNITS=flat_units, TAIL_SPLIT=tail_split, STREAM_K=stream_k, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br,
+                  GROUP_I=cfg["GROUP_I"], NUM_PROGRAMS=programs, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     _linear_gemm_tma_kernel[(programs,)](*args, **kwargs)
     if key is not None:
