@@ -157,11 +157,55 @@ def norm_dw_blocks(s: int, w: Widths, device: torch.device, blocks: list[int], i
     return rows
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
+def one_segment(s: int, w: Widths, device: torch.device, iters: int, warmup: int, seed: int = 0) -> list[dict]:
+    """The three launches that write segment partials (segment_sum's, the gated residual's backward,
+    the modulated norm's backward with its table gradients) with the frozen ``segment_sum_partials``
+    config (ONE_SEGMENT: a tile of one segment reduces it alone) against the same with ONE_SEGMENT off:
+    same bits (checked) and queued time."""
+    from flowlock.ops.gate_residual import triton as gate_residual_triton
+    from flowlock.ops.segment_sum import triton as segment_sum_triton
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, dy, y = (torch.randn(s, w.hidden, generator=gen, device=device).to(BF16) for _ in range(3))
+    weight = torch.randn(w.hidden, generator=gen, device=device).to(BF16)
+    shift, scale, gate = (torch.randn(3, w.hidden, generator=gen, device=device) for _ in range(3))
+    index = _modality_index(s, device)
+    _, rstd = rms_norm_triton.rms_norm_fwd(x, weight, 1e-6, shift, scale, index)
+    frozen = config_for("segment_sum_partials", x)
+    partials = torch.empty((segment_sum_triton.num_tiles(dy), 3 * w.hidden), dtype=torch.float32, device=device)
+
+    def segment_sum_partials(cfg):
+        segment_sum_triton.write_segment_partials(partials, dy, index, 3, config=cfg)
+        return (partials.clone(),)
+
+    ops = {"segment_sum_partials": segment_sum_partials,
+           "gate_residual_backward": lambda cfg: gate_residual_triton.gate_residual_bwd(dy, gate, y, index, cfg),
+           "rms_norm_modulate_backward": lambda cfg: rms_norm_triton.rms_norm_bwd(
+               dy, x, weight, rstd, shift, scale, index, segment_config=cfg)}
+    every = frozen.with_blocks(ONE_SEGMENT=0)
+    rows = []
+    for name, run in ops.items():
+        same = all(_same_bits(a, b) for a, b in zip(run(frozen), run(every)))
+        timed = harness.time_pair(lambda _, f=run: f(frozen), lambda _, f=run: f(every), device=device, iters=iters,
+                                  warmup=warmup, queued=device.type == "cuda")
+        rows.append({"S": s, "op": name, "same_bits": same, "one_segment_ms": timed["a"]["median_ms"],
+                     "every_segment_ms": timed["b"]["median_ms"], "one_over_every": timed["ratio_a_over_b"]})
+    return rows
+
+
 def _extra(parser):
     parser.add_argument("--seq", type=int, nargs="*", default=None, help=f"token counts S (default {SEQS})")
     parser.add_argument("--norm-dw-blocks", type=int, nargs="*", default=None,
                         help="also time rms_norm_modulate's backward with these dweight BLOCK_C against the frozen "
                              "config (same bits checked)")
+    parser.add_argument("--one-segment", action="store_true",
+                        help="also time the segment-partial launches with ONE_SEGMENT against without (same bits "
+                             "checked)")
     parser.add_argument("--kernels", action="store_true",
                         help=f"also profile {PROFILED_CALLS} calls of each phase: GPU time per kernel")
 
@@ -191,6 +235,11 @@ def main(argv=None) -> int:
             if args.norm_dw_blocks:
                 rows = norm_dw_blocks(s, widths, device, args.norm_dw_blocks, args.iters, args.warmup)
                 payload.setdefault("norm_dw_blocks", []).extend(rows)
+                print(rows, flush=True)
+                harness.write_json(args.out, payload)
+            if args.one_segment:
+                rows = one_segment(s, widths, device, args.iters, args.warmup)
+                payload.setdefault("one_segment", []).extend(rows)
                 print(rows, flush=True)
                 harness.write_json(args.out, payload)
             if device.type == "cuda":

@@ -80,8 +80,11 @@ def config_on(op: str, dtype: torch.dtype, device: torch.device, shape: tuple[in
 # norms (segment_sum, rms_norm, rms_norm_modulate, gate_residual): sizes by design, not yet timed on an H200.
 # segment_sum's TILE_ROWS = 64 is the partial-buffer layout contract: the same on every arch and dtype.
 for _dt in ("fp32", "bf16", "fp16"):
-    register("segment_sum_partials", _dt, "any", _cfg(4, TILE_ROWS=64, BLOCK_N=32, note="interpreter-sized"))
-    register("segment_sum_partials", _dt, "sm90", _cfg(4, TILE_ROWS=64, BLOCK_N=128, note="64x128 tile per program"))
+    # ONE_SEGMENT: a tile whose rows share one segment reduces that segment alone (same bits, one tree for R)
+    register("segment_sum_partials", _dt, "any", _cfg(4, TILE_ROWS=64, BLOCK_N=32, ONE_SEGMENT=1,
+                                                      note="interpreter-sized"))
+    register("segment_sum_partials", _dt, "sm90", _cfg(4, TILE_ROWS=64, BLOCK_N=128, ONE_SEGMENT=1,
+                                                       note="64x128 tile per program"))
     register("rms_norm_fwd", _dt, "any", _cfg(4, ROWS=16, note="interpreter-sized: few programs"))
     register("rms_norm_fwd", _dt, "sm90", _cfg(16, ROWS=1, note="one row per program; 16 warps hold 8192 cols"))
     # rms_norm_bwd: num_warps and DX_ROWS are the dx launch's, DW_WARPS, BLOCK_C and SUB_ROWS the dweight one's.

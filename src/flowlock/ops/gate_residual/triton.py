@@ -14,13 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import config_for, config_on
+from flowlock.config import LaunchConfig, config_for, config_on
 from flowlock.ops._fp_bits import from_f32, round_f32, to_f32
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import traced
 from flowlock.ops.segment_sum.fold import fold_partials
-from flowlock.ops.segment_sum.triton import segment_partials
+from flowlock.ops.segment_sum.triton import only_segment, segment_partials
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -48,7 +48,7 @@ def _gate_residual_kernel(
 @triton.jit
 def _gate_residual_bwd_kernel(
     g_ptr, y_ptr, gate_ptr, index_ptr, dy_ptr, partials_ptr, M, H, R, S, stride_gate,
-    DTYPE: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr, ONE_SEGMENT: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One segment-sum tile of the backward: ``dy = round(gate[i] * g)`` for its elements and the
     tile's d_gate partials ``Σ g * y`` per segment, reduced exactly as ``segment_sum_partials``
@@ -63,6 +63,7 @@ def _gate_residual_bwd_kernel(
     # Registers are the limit here (segment_sum's own kernel already uses all of them on sm90): segments
     # as int32 (they are < R) and offsets within the tile as int32 from one int64 tile base.
     segment = tl.load(index_ptr + rows % S, mask=row_mask, other=-1).to(tl.int32)
+    only = only_segment(segment, R, ONE_SEGMENT)
     # gate[i] per row, one gate row at a time: a (BLOCK_N,) load per segment instead of a gather's
     # (TILE_ROWS, BLOCK_N) pointers, which would not fit beside the partials' registers.
     gate = tl.zeros([TILE_ROWS, BLOCK_N], dtype=tl.float32)
@@ -76,7 +77,7 @@ def _gate_residual_bwd_kernel(
     g = to_f32(tl.load(g_ptr + first * H + offs, mask=mask, other=0.0))
     tl.store(dy_ptr + first * H + offs, from_f32(round_f32(gate * g, DTYPE), DTYPE), mask=mask)
     v = g * to_f32(tl.load(y_ptr + first * H + offs, mask=mask, other=0.0))
-    segment_partials(v, segment, partials_ptr + tile.to(tl.int64) * R * H + cols, R, H, col_mask)
+    segment_partials(v, segment, only, partials_ptr + tile.to(tl.int64) * R * H + cols, R, H, col_mask)
 
 
 @functools.cache
@@ -104,23 +105,25 @@ def gate_residual_fwd(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tenso
     return out
 
 
-def gate_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_residual_bwd(dout: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, index: torch.Tensor,
+                      config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d_y like y, d_gate (R, H) fp32)``; ``dout`` contiguous. Trusted: inputs are not validated.
 
     One launch writes d_y and the d_gate tile partials (both read ``dout`` once); the partials are
-    folded by the shared ``fold_partials``, so d_gate has ``segment_sum``'s bits.
+    folded by the shared ``fold_partials``, so d_gate has ``segment_sum``'s bits. ``config``: a test's
+    override of the frozen ``segment_sum_partials`` config, whose tiles this launch shares.
     """
     h, s, r = y.shape[-1], index.shape[0], gate.shape[0]
     m = y.numel() // h if h else 0
     dy = torch.empty_like(y)
-    cfg = config_for("segment_sum_partials", y)
+    cfg = config or config_for("segment_sum_partials", y)
     tiles = max(-(-m // cfg["TILE_ROWS"]), 1)
     partials = torch.empty((tiles, r, h), dtype=torch.float32, device=y.device)
     if h > 0:
         _gate_residual_bwd_kernel[(tiles, -(-h // cfg["BLOCK_N"]))](
             dout, y, gate, index, dy, partials, m, h, r, max(s, 1), gate.stride(0),
-            DTYPE=_TL_DTYPE[y.dtype], TILE_ROWS=cfg["TILE_ROWS"], BLOCK_N=cfg["BLOCK_N"],
+            DTYPE=_TL_DTYPE[y.dtype], ONE_SEGMENT=bool(cfg["ONE_SEGMENT"]), TILE_ROWS=cfg["TILE_ROWS"],
+            BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dy, fold_partials(partials)

@@ -176,17 +176,19 @@ def _fwd_args(dtype: torch.dtype, device: torch.device, h: int, has_mod: bool) -
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                  shift: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                  index: torch.Tensor | None = None, config: LaunchConfig | None = None,
+                 segment_config: LaunchConfig | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dx like x, dweight (H,) fp32, dshift, dscale (R, H) fp32 or None)``; dweight and the table
-    gradients are fixed-order sums over 64-row tiles. Trusted: inputs are not validated. ``config``:
-    a benchmark's or test's override of the frozen ``rms_norm_bwd`` config.
+    gradients are fixed-order sums over 64-row tiles. Trusted: inputs are not validated. ``config``
+    and ``segment_config``: a benchmark's or test's override of the frozen ``rms_norm_bwd`` config and
+    of the ``segment_sum_partials`` one the table gradients' partials launch with.
 
     With modulation the three gradients share one ``(tiles, H + 2 R H)`` fp32 partial buffer,
     ``[dweight | dshift | dscale]`` per tile: the norm kernel writes the dweight columns, one
     segment-sum launch the table columns, and one fold reduces all of them. The fold sums each
     column on its own in the same order at any width, so the bits equal three separate folds.
     """
-    dx, folded = _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, config)
+    dx, folded = _rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, config, segment_config)
     if shift is None:
         return dx, folded, None, None
     return (dx, *_unpack(folded, x.shape[-1], shift.shape[0]))
@@ -194,7 +196,8 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
 
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   shift: torch.Tensor | None, scale: torch.Tensor | None, index: torch.Tensor | None,
-                  config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: LaunchConfig | None = None, segment_config: LaunchConfig | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, folded fp32 gradients)``: ``(H,)`` without modulation, else ``(H + 2 R H,)`` packed."""
     h = x.shape[-1]
     m = x.numel() // h if h else 0
@@ -222,7 +225,8 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd:
         rows = dy.reshape(m, h)
         if num_tiles(rows) != tiles:
             raise RuntimeError("rms_norm_bwd and segment_sum_partials configs disagree on the tile rows")
-        write_segment_partials(partials[:, h:], rows, index, r, other=normed, period=index.shape[0], pair=True)
+        write_segment_partials(partials[:, h:], rows, index, r, other=normed, period=index.shape[0], pair=True,
+                               config=segment_config)
     return dx, fold_partials(partials)
 
 

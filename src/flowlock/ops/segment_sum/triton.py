@@ -13,22 +13,50 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.config import config_for, launch_config
+from flowlock.config import LaunchConfig, config_for, launch_config
 from flowlock.ops._fp_bits import to_f32
 from flowlock.ops._launch import fast_launch
 from flowlock.ops.segment_sum.fold import fold_partials
 
 
 @triton.jit
-def segment_partials(v, segment, out, R, N, col_mask):
-    """Store the tile's per-segment column sums of ``v`` at ``out + r * N`` for every ``r < R``.
-
-    Shared by every kernel that writes segment partials, so they all reduce with the same code.
-    """
+def _each_segment(v, segment, out, R, N, col_mask):
     for r in range(R):
         # A fixed tl.sum tree over the tile's rows; rows of other segments contribute exact zeros.
         part = tl.sum(tl.where(segment[:, None] == r, v, 0.0), axis=0)
         tl.store(out + r * N, part, mask=col_mask)
+
+
+@triton.jit
+def only_segment(segment, R, ONE_SEGMENT: tl.constexpr):
+    """The segment every row of the tile has (``segment`` is -1 on rows past the end), or -1 when
+    they have several or ONE_SEGMENT is off."""
+    if ONE_SEGMENT:
+        lo = tl.min(tl.where(segment >= 0, segment, R), axis=0)
+        return tl.where(lo == tl.max(segment, axis=0), lo, -1)
+    else:
+        return -1
+
+
+@triton.jit
+def segment_partials(v, segment, only, out, R, N, col_mask):
+    """Store the tile's per-segment column sums of ``v`` at ``out + r * N`` for every ``r < R``.
+
+    Shared by every kernel that writes segment partials, so they all reduce with the same code.
+    ``only`` (:func:`only_segment`): when every row has that one segment (most tiles: H3's text,
+    video and audio rows are runs of hundreds), only its sum is reduced, with the same expression and
+    so the same bits, and the others are stored as the +0.0 a sum of exact zeros is: one ``tl.sum``
+    tree in place of R.
+    """
+    if only >= 0:
+        part = tl.sum(v, axis=0)
+        for r in range(R):
+            tl.store(out + r * N, tl.where(r == only, part, 0.0), mask=col_mask)
+    else:
+        for r in range(R):
+            # A fixed tl.sum tree over the tile's rows; rows of other segments contribute exact zeros.
+            part = tl.sum(tl.where(segment[:, None] == r, v, 0.0), axis=0)
+            tl.store(out + r * N, part, mask=col_mask)
 
 
 @fast_launch
@@ -36,7 +64,8 @@ def segment_partials(v, segment, out, R, N, col_mask):
 def _segment_sum_partials_kernel(
     values_ptr, other_ptr, index_ptr, partials_ptr,
     M, N, R, period, stride_values, stride_other, stride_tile,
-    HAS_OTHER: tl.constexpr, PAIR: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_OTHER: tl.constexpr, PAIR: tl.constexpr, ONE_SEGMENT: tl.constexpr, TILE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     tile = tl.program_id(0)
     rows = tile.to(tl.int64) * TILE_ROWS + tl.arange(0, TILE_ROWS)
@@ -45,16 +74,17 @@ def _segment_sum_partials_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     segment = tl.load(index_ptr + rows % period, mask=row_mask, other=-1)
+    only = only_segment(segment, R, ONE_SEGMENT)
     v = to_f32(tl.load(values_ptr + rows[:, None] * stride_values + cols[None, :], mask=mask, other=0.0))
     out = partials_ptr + tile.to(tl.int64) * stride_tile + cols
     if PAIR:
         # The plain sums first, then (R * N further on) the sums of the products: one read of the tile.
-        segment_partials(v, segment, out, R, N, col_mask)
+        segment_partials(v, segment, only, out, R, N, col_mask)
         out = out + R * N
     if HAS_OTHER:
         # Products of bf16/fp16 factors are exact in fp32, so only the sums round.
         v = v * to_f32(tl.load(other_ptr + rows[:, None] * stride_other + cols[None, :], mask=mask, other=0.0))
-    segment_partials(v, segment, out, R, N, col_mask)
+    segment_partials(v, segment, only, out, R, N, col_mask)
 
 
 def tile_rows(dtype: torch.dtype, arch: str) -> int:
@@ -68,7 +98,8 @@ def num_tiles(values: torch.Tensor) -> int:
 
 
 def write_segment_partials(partials: torch.Tensor, values: torch.Tensor, index: torch.Tensor, num_segments: int, *,
-                           other: torch.Tensor | None = None, period: int | None = None, pair: bool = False) -> None:
+                           other: torch.Tensor | None = None, period: int | None = None, pair: bool = False,
+                           config: LaunchConfig | None = None) -> None:
     """Write the per-tile segment sums of ``values`` (times ``other`` if given) into ``partials``.
 
     ``partials``: fp32 ``(num_tiles(values), W)`` with unit column stride (a column slice of a wider
@@ -76,17 +107,19 @@ def write_segment_partials(partials: torch.Tensor, values: torch.Tensor, index: 
     ``partials[t, r * N + n]``. With ``pair=True`` (``other`` required) one launch writes the plain
     sums to columns ``[0, R * N)`` and the sums of the products to ``[R * N, 2 * R * N)``, each the
     same bits as its own launch. Row ``m`` belongs to segment ``index[m % period]`` (``period``
-    defaults to ``M``). Trusted: inputs are not validated.
+    defaults to ``M``). ``config``: a test's or benchmark's override of the frozen config (its
+    TILE_ROWS must be the frozen one). Trusted: inputs are not validated.
     """
     m, n = values.shape
     if n == 0 or num_segments == 0:
         return
-    cfg = config_for("segment_sum_partials", values)
+    cfg = config or config_for("segment_sum_partials", values)
     o = values if other is None else other
     _segment_sum_partials_kernel[(max(-(-m // cfg["TILE_ROWS"]), 1), -(-n // cfg["BLOCK_N"]))](
         values, o, index, partials, m, n, num_segments, max(m if period is None else period, 1), values.stride(0),
         o.stride(0), partials.stride(0),
-        HAS_OTHER=other is not None, PAIR=pair, TILE_ROWS=cfg["TILE_ROWS"], BLOCK_N=cfg["BLOCK_N"],
+        HAS_OTHER=other is not None, PAIR=pair, ONE_SEGMENT=bool(cfg["ONE_SEGMENT"]), TILE_ROWS=cfg["TILE_ROWS"],
+        BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
