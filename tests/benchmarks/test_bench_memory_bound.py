@@ -67,3 +67,14 @@ def test_norm_dw_blocks_keeps_the_bits_and_times_each(monkeypatch):
     assert [r["BLOCK_C"] for r in rows] == [8, 16]
     for row in rows:
         assert row["same_bits"] and row["ms"] > 0 and row["frozen_ms"] > 0, row
+
+
+def test_one_segment_keeps_the_bits_and_times_each_launch(monkeypatch):
+    """``--one-segment``: the three launches that write segment partials, each with ONE_SEGMENT against
+    without, checked bitwise and timed (smoke widths: the interpreter config, 40 rows in one tile of
+    three segments, so the launch takes the every-segment path both ways)."""
+    bench = _bench(monkeypatch)
+    rows = bench.one_segment(40, bench.SMOKE, torch.device("cpu"), iters=20, warmup=0)
+    assert [r["op"] for r in rows] == ["segment_sum_partials", "gate_residual_backward", "rms_norm_modulate_backward"]
+    for row in rows:
+        assert row["same_bits"] and row["one_segment_ms"] > 0 and row["every_segment_ms"] > 0, row
