@@ -1,23 +1,14 @@
 """``benchmarks/bench_launch_host.py --smoke`` end to end on CPU: every shape and product has both
 host times and equal bits, and the run leaves the launcher's own plan table and kernel in place."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 from flowlock.ops.linear import triton as lt
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def test_smoke_run_times_both_ways_and_restores_the_plan_table(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_smoke_run_times_both_ways_and_restores_the_plan_table(tmp_path, load_bench):
+    bench = load_bench("bench_launch_host")
     import plot
-
-    spec = importlib.util.spec_from_file_location("bench_launch_host", BENCH / "bench_launch_host.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     table = lt._TMA_PLANS
     out = tmp_path / "host.json"
     assert bench.main(["--smoke", "--skip-gate", "--device", "cpu", "--iters", "1", "--warmup", "0", "--calls", "1",

@@ -1,29 +1,16 @@
 """``benchmarks/bench_linear.py --variant`` on CPU: the frozen configs with blocks set are checked
 bitwise against the frozen ones and timed against them and against the stock GEMM."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def _bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = importlib.util.spec_from_file_location("bench_linear", BENCH / "bench_linear.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_variant_checks_the_bits_and_times_forward_and_dx(monkeypatch):
+def test_variant_checks_the_bits_and_times_forward_and_dx(load_bench):
     """The interpreter's configs run the pointer kernel; the variant switches on the persistent TMA
     walk with stream-K (4 tiles of 16 x 16 on 3 programs: one round and a tail, shared out), a
     different schedule whose bits must still be the frozen config's."""
-    bench = _bench(monkeypatch)
+    bench = load_bench("bench_linear")
     rows = bench._variant(torch.device("cpu"), {"out": (32, 40)}, [32], math.inf, {"TMA": 1, "STREAM_K": 1})
     assert [(r["op"], r["tiles"]) for r in rows] == [("linear_fwd", 4), ("linear_dx", 6)]
     assert rows[0]["stream_k"] and not rows[1]["stream_k"]

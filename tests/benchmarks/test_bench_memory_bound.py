@@ -2,32 +2,19 @@
 a copy of its bytes, the bytes follow the widths, rows carry their modality's table row, and the
 result plots."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def _bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = importlib.util.spec_from_file_location("bench_memory_bound", BENCH / "bench_memory_bound.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_modality_rows_follow_bench_model_layout(monkeypatch):
-    bench = _bench(monkeypatch)
+def test_modality_rows_follow_bench_model_layout(load_bench):
+    bench = load_bench("bench_memory_bound")
     index = bench._modality_index(4253, torch.device("cpu"))
     assert index.tolist() == [0] * (4253 - 256 - 265) + [1] * 265 + [2] * 256
 
 
-def test_smoke_run_times_every_op_against_a_copy(tmp_path, monkeypatch):
-    bench = _bench(monkeypatch)
+def test_smoke_run_times_every_op_against_a_copy(tmp_path, load_bench):
+    bench = load_bench("bench_memory_bound")
     import plot
 
     out = tmp_path / "memory_bound.json"
@@ -48,32 +35,32 @@ def test_smoke_run_times_every_op_against_a_copy(tmp_path, monkeypatch):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_kernels_gives_a_phases_time_per_launch(monkeypatch):
+def test_kernels_gives_a_phases_time_per_launch(load_bench):
     """``--kernels``' profile of one phase: a per-call time for each launch (on CPU, each op's CPU time),
     largest first."""
-    bench = _bench(monkeypatch)
+    bench = load_bench("bench_memory_bound")
     device = torch.device("cpu")
     phase = bench.cases(bench.SMOKE_SEQS[0], bench.SMOKE, device)["rms_norm_modulate"]["backward"]
     times = [k["ms"] for k in bench.kernels(phase, device)]
     assert times and all(t > 0 for t in times) and times == sorted(times, reverse=True), times
 
 
-def test_norm_dw_blocks_keeps_the_bits_and_times_each(monkeypatch):
+def test_norm_dw_blocks_keeps_the_bits_and_times_each(load_bench):
     """``--norm-dw-blocks``: the norm's backward with other dweight column blocks, each checked bitwise
     against the frozen config (the smoke widths run the interpreter config, whose tile is summed as one
     tree: the check still has to hold) and timed against it."""
-    bench = _bench(monkeypatch)
+    bench = load_bench("bench_memory_bound")
     rows = bench.norm_dw_blocks(40, bench.SMOKE, torch.device("cpu"), [8, 16], iters=20, warmup=0)
     assert [r["BLOCK_C"] for r in rows] == [8, 16]
     for row in rows:
         assert row["same_bits"] and row["ms"] > 0 and row["frozen_ms"] > 0, row
 
 
-def test_one_segment_keeps_the_bits_and_times_each_launch(monkeypatch):
+def test_one_segment_keeps_the_bits_and_times_each_launch(load_bench):
     """``--one-segment``: the three launches that write segment partials, each with ONE_SEGMENT against
     without, checked bitwise and timed (smoke widths: the interpreter config, 40 rows in one tile of
     three segments, so the launch takes the every-segment path both ways)."""
-    bench = _bench(monkeypatch)
+    bench = load_bench("bench_memory_bound")
     rows = bench.one_segment(40, bench.SMOKE, torch.device("cpu"), iters=20, warmup=0)
     assert [r["op"] for r in rows] == ["segment_sum_partials", "gate_residual_backward", "rms_norm_modulate_backward"]
     for row in rows:

@@ -1,19 +1,12 @@
 """``benchmarks/bench_tp_designs.py --smoke`` end to end on CPU: every TP row times the three designs,
 design (a)'s rank rows equal the TP = 1 GEMM's rows, and TP > 1 rows carry the counted bytes."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_smoke_run_times_every_design_at_every_tp(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_tp_designs", BENCH / "bench_tp_designs.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_smoke_run_times_every_design_at_every_tp(tmp_path, load_bench):
+    bench = load_bench("bench_tp_designs")
     out = tmp_path / "tp.json"
     assert bench.main(["--smoke", "--skip-gate", "--device", "cpu", "--iters", "1", "--warmup", "0",
                        "--out", str(out)]) == 0
