@@ -20,14 +20,6 @@ from flowlock.ops.segment_sum.fold import fold_partials
 
 
 @triton.jit
-def _each_segment(v, segment, out, R, N, col_mask):
-    for r in range(R):
-        # A fixed tl.sum tree over the tile's rows; rows of other segments contribute exact zeros.
-        part = tl.sum(tl.where(segment[:, None] == r, v, 0.0), axis=0)
-        tl.store(out + r * N, part, mask=col_mask)
-
-
-@triton.jit
 def only_segment(segment, R, ONE_SEGMENT: tl.constexpr):
     """The segment every row of the tile has (``segment`` is -1 on rows past the end), or -1 when
     they have several or ONE_SEGMENT is off."""
@@ -40,13 +32,14 @@ def only_segment(segment, R, ONE_SEGMENT: tl.constexpr):
 
 @triton.jit
 def segment_partials(v, segment, only, out, R, N, col_mask):
-    """Store the tile's per-segment column sums of ``v`` at ``out + r * N`` for every ``r < R``.
+    """Store the tile's per-segment column sums of ``v`` at ``out + r * N`` for every ``r < R``;
+    ``v`` is +0.0 on rows past the end (every caller loads with ``other=0.0``).
 
     Shared by every kernel that writes segment partials, so they all reduce with the same code.
     ``only`` (:func:`only_segment`): when every row has that one segment (most tiles: H3's text,
-    video and audio rows are runs of hundreds), only its sum is reduced, with the same expression and
-    so the same bits, and the others are stored as the +0.0 a sum of exact zeros is: one ``tl.sum``
-    tree in place of R.
+    video and audio rows are runs of hundreds), ``v`` is element for element the operand that
+    segment's sum reduces (rows past the end included), so its one ``tl.sum`` tree gives the same
+    bits, and the others are stored as the +0.0 a sum of exact zeros is: one tree in place of R.
     """
     if only >= 0:
         part = tl.sum(v, axis=0)
