@@ -30,6 +30,7 @@ import flowlock
 from flowlock.config import config_for
 from flowlock.ops import gate_residual, qk_norm_rope, rms_norm_modulate, segment_sum, swiglu
 from flowlock.ops.rms_norm import triton as rms_norm_triton
+from flowlock.testing import bitwise_equal
 
 BF16 = torch.bfloat16
 
@@ -157,11 +158,6 @@ def norm_dw_blocks(s: int, w: Widths, device: torch.device, blocks: list[int], i
     return rows
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
-    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
-
-
 def one_segment(s: int, w: Widths, device: torch.device, iters: int, warmup: int, seed: int = 0) -> list[dict]:
     """The three launches that write segment partials (segment_sum's, the gated residual's backward,
     the modulated norm's backward with its table gradients) with the frozen ``segment_sum_partials``
@@ -190,7 +186,7 @@ def one_segment(s: int, w: Widths, device: torch.device, iters: int, warmup: int
     every = frozen.with_blocks(ONE_SEGMENT=0)
     rows = []
     for name, run in ops.items():
-        same = all(_same_bits(a, b) for a, b in zip(run(frozen), run(every)))
+        same = all(bitwise_equal(a, b) for a, b in zip(run(frozen), run(every)))
         timed = harness.time_pair(lambda _, f=run: f(frozen), lambda _, f=run: f(every), device=device, iters=iters,
                                   warmup=warmup, queued=device.type == "cuda")
         rows.append({"S": s, "op": name, "same_bits": same, "one_segment_ms": timed["a"]["median_ms"],

@@ -13,6 +13,7 @@ from flowlock.config import config_for
 from flowlock.ops.gate_residual import triton as gt
 from flowlock.ops.rms_norm import triton as rt
 from flowlock.ops.segment_sum import triton as st
+from flowlock.testing import bitwise_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -24,11 +25,6 @@ def _index(s: int) -> torch.Tensor:
     """H3's rows: 256 text, the video rows, S / 16 audio; three table rows."""
     audio = s // 16
     return torch.cat([torch.zeros(256), torch.ones(s - 256 - audio), torch.full((audio,), 2)]).long().cuda()
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int32 if a.dtype == torch.float32 else torch.int16),
-                                              b.view(torch.int32 if b.dtype == torch.float32 else torch.int16))
 
 
 @pytest.mark.parametrize(("batch", "s"), [(1, 925), (2, 925), (1, 4253)])
@@ -47,11 +43,11 @@ def test_one_segment_keeps_the_bits(batch, s):
         out = torch.full((st.num_tiles(rows), 6 * H), float("nan"), device="cuda")
         st.write_segment_partials(out, rows, index, 3, other=y.reshape(-1, H), period=s, pair=True, config=cfg)
         partials[name] = out
-    assert _same_bits(partials["one"], partials["every"]), "segment_sum partials"
+    assert bitwise_equal(partials["one"], partials["every"]), "segment_sum partials"
     got, want = gt.gate_residual_bwd(dy, gate, y, index, frozen), gt.gate_residual_bwd(dy, gate, y, index, every)
-    assert all(_same_bits(a, b) for a, b in zip(got, want)), "gate_residual backward"
+    assert all(bitwise_equal(a, b) for a, b in zip(got, want)), "gate_residual backward"
     _, rstd = rt.rms_norm_fwd(x, weight, 1e-6, shift, scale, index)
     got = rt.rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, segment_config=frozen)
     want = rt.rms_norm_bwd(dy, x, weight, rstd, shift, scale, index, segment_config=every)
     for name, a, b in zip(("dx", "dweight", "dshift", "dscale"), got, want):
-        assert _same_bits(a, b), f"rms_norm_modulate backward {name}"
+        assert bitwise_equal(a, b), f"rms_norm_modulate backward {name}"
