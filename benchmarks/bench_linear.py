@@ -52,9 +52,6 @@ def _extra(parser):
                         help="forward and dX with these blocks set in the frozen configs (e.g. STREAM_K=1) "
                              "against the frozen ones (same bits, checked) and against cuBLAS, at --sweep-m or the "
                              "default M")
-    parser.add_argument("--gluon", action="store_true",
-                        help="the forward with the warp-specialized Gluon candidate against the frozen Triton forward "
-                             "(same bits, checked) and against cuBLAS, at --sweep-m or the default M (Hopper only)")
     parser.add_argument("--beside", action="store_true",
                         help="time dW beside dX (linear_dx_dw) against the two one by one (at --sweep-m)")
     parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
@@ -325,40 +322,6 @@ def _variant(device, shapes, ms, t_end, blocks: dict[str, int]) -> list[dict]:
     return results
 
 
-def _gluon(device, shapes, ms, t_end) -> list[dict]:
-    """The forward of each layer with the warp-specialized Gluon candidate (flowlock.ops.linear.gluon)
-    against the frozen Triton forward and against cuBLAS: same bits checked; queued and idle."""
-    from flowlock.ops.linear import gluon as lg
-
-    sms = lt._num_programs(device.index or 0)
-    results = []
-    for m in ms:
-        for name, (n, k) in shapes.items():
-            if time.perf_counter() > t_end:
-                return results
-            x, w, _ = _operands(m, n, k, device)
-            frozen = launch_config("linear_fwd", BF16, arch_of(w), (n, k))
-
-            def ws(_, x=x, w=w):
-                return lg.linear_fwd_ws(x, w, sms)
-
-            def triton_fwd(_, x=x, w=w, c=frozen):
-                return lt.linear_fwd(x, w, None, BF16, config=c)
-
-            row = {"shape": name, "m": m, "op": "linear_fwd", "same_bits": _eq(ws(None), triton_fwd(None))}
-            for mode, queued in (("idle", False), ("queued", True)):
-                r = harness.time_pair(ws, triton_fwd, device=device, iters=20, warmup=2, queued=queued)
-                row[mode] = {"gluon_ms": r["a"]["median_ms"], "triton_ms": r["b"]["median_ms"],
-                             "gluon_over_triton": r["ratio_a_over_b"]}
-            r = harness.time_pair(ws, lambda _, x=x, w=w: F.linear(x, w), device=device, iters=20, warmup=2,
-                                  queued=True)
-            row["queued"]["cublas_ms"] = r["b"]["median_ms"]
-            row["queued"]["gluon_ratio_of_cublas_throughput"] = r["b"]["median_ms"] / r["a"]["median_ms"]
-            results.append(row)
-            print(name, m, row, flush=True)
-    return results
-
-
 def _section(payload, key, fn, out_path):
     """Run one part of the benchmark; a failure is recorded (and the JSON written) rather than lost."""
     try:
@@ -416,8 +379,6 @@ def main(argv=None) -> None:
             variant_shapes = shapes if args.smoke else BESIDE_SHAPES
             _section(payload, "variant", lambda: _variant(device, variant_shapes, args.sweep_m or ms, t_end, blocks),
                      args.out)
-        if args.gluon:
-            _section(payload, "gluon", lambda: _gluon(device, BESIDE_SHAPES, args.sweep_m or ms, t_end), args.out)
         if args.beside:
             beside_shapes = shapes if args.smoke else BESIDE_SHAPES
             _section(payload, "beside", lambda: _beside(device, beside_shapes, args.sweep_m or ms, t_end), args.out)

@@ -1,12 +1,17 @@
-"""The warp-specialized Gluon forward (flowlock.ops.linear.gluon, a candidate) gives the bits of the frozen
-Triton forward on a Hopper GPU at H3's linear shapes, at token counts whose last tile is partial, and
-again on a repeat.
+"""The warp-specialized Gluon GEMM (flowlock.ops.linear.gluon, a config's ``GLUON``) gives the bits of the
+Triton TMA kernel under the same config on a Hopper GPU: the forward with and without bias and dX, at
+H3's linear shapes, at token counts whose walks split their last round into half-width tiles (925,
+4253, 64: every tile split), one row, and again on a repeat; in bf16 and fp16; with the frozen tile and
+with 256-wide tiles where the frozen forward is 128 wide.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_gluon_gpu.py
 """
 
 import pytest
 import torch
+
+from flowlock.ops.linear import gluon as lg
+from flowlock.ops.linear import triton as lt
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,23 +20,56 @@ pytestmark = [
 ]
 
 BF16 = torch.bfloat16
-SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336)}
+SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336), "qkv": (21504, 5376)}
+TOKENS = (925, 4253, 64, 1)
+VARIANTS = {"frozen_tile": dict(GLUON=1, RING=3), "wide": dict(GLUON=1, RING=3, BLOCK_J=256, EPI_SPLIT=1)}
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_gluon_forward_keeps_the_triton_bits(name):
-    from flowlock.ops.linear import gluon as lg
-    from flowlock.ops.linear import triton as lt
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
+
+def _operands(m, n, k, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    x[m // 2] = 0  # a zero row: its products are signed zeros, whose sum's sign follows the accumulator rule
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(dtype)
+    dy = torch.randn(m, n, generator=g, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=g, device="cuda").to(dtype)
+    return x, w, dy, bias
+
+
+def _check(name, variant, dtype, tokens):
     n, k = SHAPES[name]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    g = torch.Generator(device="cuda").manual_seed(n + k)
-    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(BF16)
-    for m in (925, 4253, 64, 1):
-        x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
-        x[m // 2] = 0  # a zero row: its products are signed zeros, whose sum's sign follows the accumulator rule
-        want = lt.linear_fwd(x, w, None, BF16)
-        got = lg.linear_fwd_ws(x, w, sms)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{name} M={m}"
-        again = lg.linear_fwd_ws(x, w, sms)
-        assert torch.equal(again.view(torch.int16), got.view(torch.int16)), f"{name} M={m} repeat"
+    for m in tokens:
+        x, w, dy, bias = _operands(m, n, k, dtype, seed=n + k + m)
+        fwd = lt.lookup("linear_fwd", w, x, w)
+        dx = lt.lookup("linear_dx", w, dy, w)
+        ws_fwd, ws_dx = fwd.with_blocks(**VARIANTS[variant]), dx.with_blocks(**VARIANTS[variant])
+        assert lg.applies(ws_fwd, x, False, w, x) and lg.applies(ws_dx, dy, False, w, dy)
+        for b in (None, bias):
+            want = lt.linear_fwd(x, w, b, dtype, config=ws_fwd.with_blocks(GLUON=0))
+            got = lt.linear_fwd(x, w, b, dtype, config=ws_fwd)
+            assert _same_bits(got, want), f"{name} {variant} M={m} forward bias={b is not None}"
+            assert _same_bits(lt.linear_fwd(x, w, b, dtype, config=ws_fwd), got), f"{name} M={m} forward repeat"
+        want = lt.linear_dx(dy, w, dtype, config=ws_dx.with_blocks(GLUON=0))
+        got = lt.linear_dx(dy, w, dtype, config=ws_dx)
+        assert _same_bits(got, want), f"{name} {variant} M={m} dX"
+        assert _same_bits(lt.linear_dx(dy, w, dtype, config=ws_dx), got), f"{name} M={m} dX repeat"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gluon_keeps_the_triton_bits(name, variant):
+    _check(name, variant, BF16, TOKENS)
+
+
+def test_gluon_keeps_the_triton_bits_in_fp16():
+    _check("out", "wide", torch.float16, (925, 1))
+
+
+def test_gluon_rejects_a_ring_that_does_not_fit_before_launching():
+    x, w, _, _ = _operands(64, 5376, 7168, BF16, seed=0)
+    cfg = lt.lookup("linear_fwd", w, x, w).with_blocks(GLUON=1, RING=4, BLOCK_J=256)
+    with pytest.raises(ValueError, match="shared memory"):
+        lt.linear_fwd(x, w, None, BF16, config=cfg)

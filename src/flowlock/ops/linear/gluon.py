@@ -1,21 +1,27 @@
-"""A warp-specialized Hopper GEMM for ``linear``'s forward, in Gluon: a candidate, in no frozen config.
+"""A warp-specialized Hopper GEMM for ``linear``'s forward and dX, in Gluon.
 
-``linear_fwd_ws(x2d, weight)`` computes what :func:`flowlock.ops.linear.triton.linear_fwd` computes
-for bf16 / fp16 operands without bias, with the work split between warps as cuBLAS's Hopper kernels
-split it: one producer warp only issues the TMA loads of A and B into a ring of ``STAGES`` shared
-buffers, and the default partition's two warpgroups only issue the wgmma of the 128 x 256 tile (64
-rows each) and store the result, so loads for the next steps and the next tile are in flight while
-the tensor cores run. Tiles are walked persistently in the Triton kernel's grouped order.
+``gemm(a, b, b_t, c, bias, cfg, programs)`` computes ``c = a @ B (+ bias)`` (B stored as ``b``, or
+as its transpose when ``b_t``: the forward's weight) for bf16 / fp16 operands with the bits of
+:mod:`flowlock.ops.linear.triton`'s TMA kernel under the same config, with the work split between
+warps as cuBLAS's Hopper kernels split it: one producer warp only issues the TMA loads of A and B
+into a ring of ``RING`` shared buffers, and the default partition's two warpgroups only issue the
+wgmma of the ``BLOCK_I x BLOCK_J`` tile (half the rows each) and store the result, so loads for the
+next steps and the next tile are in flight while the tensor cores run. Tiles are walked
+persistently in the Triton kernel's grouped order, and with ``TAIL_SPLIT`` a partial last round of
+the walk runs as half-width tiles, as there.
 
 Bits: every output element is, as in the Triton kernel, one fp32 chain of k16 wgmma steps ascending
-over K from a zero accumulator (the first step of a tile with the accumulator off, as Triton's own
-zero-init rewrite issues it), rounded once to nearest even; ``BLOCK_R`` is the frozen config's. A
-GPU test compares the two bitwise (``tests/ops/test_linear_gluon_gpu.py``).
+over the reduced dimension from a zero accumulator (the first step of a tile with the accumulator
+off, as Triton's own zero-init rewrite issues it), plus the bias in fp32, rounded once to nearest
+even; ``BLOCK_R`` is the config's. GPU tests compare the two bitwise
+(``tests/ops/test_linear_gluon_gpu.py``).
 
 Synchronization: ``ready[s]`` completes when stage s's two TMA loads have landed (expect-tx);
 ``empty[s]`` when the wgmma reading stage s are done. Gluon lowers an arrive in a multi-warp partition
 as a barrier over the partition's warps then one arrive, so ``empty[s]`` completes only after both
 warpgroups have waited for their wgmma on it: a stage is never refilled while either still reads it.
+A half-width tile's B block and output are the first halves of the full-width buffers, viewed with
+the half blocks' layouts.
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Tile, ring depth and warps of the candidate: the frozen bf16 forward tile (128 x 256, BLOCK_R 64).
-BLOCK_I, BLOCK_J, BLOCK_R, GROUP_I, STAGES, WARPS = 128, 256, 64, 8, 3, 8
+from flowlock.config import LaunchConfig
+
 # The producer partition: one warp, few registers (it computes tile coordinates and issues TMA).
 LOADER_WARPS, LOADER_REGS = 1, 40
+# Shared memory one program may use on sm90 (227 KiB), less what the barriers and alignment take.
+SHARED_BYTES = 227 * 1024 - 1024
 
 
 @gluon.jit
@@ -51,95 +59,205 @@ def _tile_coords(tile, n_i, n_j, GROUP_I: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, I, J, R, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
-            BLOCK_R: gl.constexpr, GROUP_I: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
-    n_i = gl.cdiv(I, BLOCK_I)
-    n_j = gl.cdiv(J, BLOCK_J)
-    n_k = gl.cdiv(R, BLOCK_R)
-    count = 0
-    for tile in range(gl.program_id(0), n_i * n_j, NUM_PROGRAMS):
-        pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
-        for k in range(n_k):
-            s = count % STAGES
-            # A fresh barrier counts as having completed the phase before its first: parity 1 passes.
-            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_i * BLOCK_I, k * BLOCK_R], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [pid_j * BLOCK_J, k * BLOCK_R], ready.index(s), b_bufs.index(s))
-            count += 1
+def _split_tail(tiles, NUM_PROGRAMS: gl.constexpr, TAIL_SPLIT: gl.constexpr):
+    """How many of the last tiles run as two half-width tiles each (the Triton kernel's rule)."""
+    tail = tiles % NUM_PROGRAMS
+    if not TAIL_SPLIT:
+        tail = 0
+    if 2 * tail > NUM_PROGRAMS:
+        tail = 0
+    return tail
 
 
 @gluon.jit
-def _consumer(c_desc, a_bufs, b_bufs, c_smem, ready, empty, I, J, R, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
-              BLOCK_R: gl.constexpr, GROUP_I: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              num_warps: gl.constexpr):
-    # One m64 x n256 x k16 wgmma per warpgroup and k16 step: the instruction tl.dot issues for this tile.
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, BLOCK_J, 16])
+def _b_block(b_bufs, s, b_half_desc, HALF: gl.constexpr):
+    """Stage s's B buffer, or its first half viewed as the half-width block."""
+    buf = b_bufs.index(s)
+    if HALF:
+        buf = buf._reinterpret(b_half_desc.dtype, b_half_desc.block_type.shape, b_half_desc.layout)
+    return buf
+
+
+@gluon.jit
+def _load_tile(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, oi, oj, count, n_k,
+               B_T: gl.constexpr, HALF: gl.constexpr, BLOCK_R: gl.constexpr, RING: gl.constexpr):
+    """Issue one tile's A and B loads, step by step, into the ring; returns the ring count after it."""
+    # A half-width B block is half the bytes of a full one.
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes // (1 + HALF)
+    for k in range(n_k):
+        s = count % RING
+        # A fresh barrier counts as having completed the phase before its first: parity 1 passes.
+        mbarrier.wait(empty.index(s), ((count // RING) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(a_desc, [oi, k * BLOCK_R], ready.index(s), a_bufs.index(s))
+        b_coord = [k * BLOCK_R, oj]
+        if B_T:
+            b_coord = [oj, k * BLOCK_R]
+        if HALF:
+            tma.async_copy_global_to_shared(b_half_desc, b_coord, ready.index(s), _b_block(b_bufs, s, b_half_desc,
+                                                                                             True))
+        else:
+            tma.async_copy_global_to_shared(b_desc, b_coord, ready.index(s), b_bufs.index(s))
+        count += 1
+    return count
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, I, J, R, B_T: gl.constexpr,
+            TAIL_SPLIT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+            GROUP_I: gl.constexpr, RING: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
     n_i = gl.cdiv(I, BLOCK_I)
     n_j = gl.cdiv(J, BLOCK_J)
     n_k = gl.cdiv(R, BLOCK_R)
+    tiles = n_i * n_j
+    tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
     count = 0
-    for tile in range(gl.program_id(0), n_i * n_j, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), tiles - tail, NUM_PROGRAMS):
         pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
-        acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=layout)
-        for k in range(n_k):
-            s = count % STAGES
-            mbarrier.wait(ready.index(s), (count // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=k > 0,
-                                is_async=True)
-            # Keep this step's wgmma in flight; the previous step's is done, so its stage is free.
-            acc = warpgroup_mma_wait(1, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=k > 0)
-            count += 1
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pid_i * BLOCK_I, pid_j * BLOCK_J], c_smem)
+        count = _load_tile(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, pid_i * BLOCK_I,
+                           pid_j * BLOCK_J, count, n_k, B_T, False, BLOCK_R, RING)
+    for half in range(gl.program_id(0), 2 * tail, NUM_PROGRAMS):
+        pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+        oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
+        if oj < J:  # the right half of the last column tile may lie wholly past J
+            count = _load_tile(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, pid_i * BLOCK_I, oj,
+                               count, n_k, B_T, True, BLOCK_R, RING)
+
+
+@gluon.jit
+def _mma_tile(a_bufs, b_bufs, b_half_desc, ready, empty, count, n_k, B_T: gl.constexpr, HALF: gl.constexpr,
+              BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, RING: gl.constexpr, num_warps: gl.constexpr):
+    """One tile's wgmma chain over the ring; returns ``(acc, count)``, every stage it read released."""
+    # One m64 x nBLOCK_J x k16 wgmma per warpgroup and k16 step: the instruction tl.dot issues for the tile.
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_J, 16])
+    acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=layout)
+    for k in range(n_k):
+        s = count % RING
+        mbarrier.wait(ready.index(s), (count // RING) & 1)
+        b = _b_block(b_bufs, s, b_half_desc, HALF)
+        if B_T:
+            b = b.permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=k > 0, is_async=True)
+        # Keep this step's wgmma in flight; the previous step's is done, so its stage is free.
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((count + RING - 1) % RING), pred=k > 0)
+        count += 1
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((count + RING - 1) % RING))
+    return acc, count
+
+
+@gluon.jit
+def _store_tile(acc, c_desc, c_smem, bias_ptr, oi, oj, J, HAS_BIAS: gl.constexpr, BLOCK_J: gl.constexpr):
+    """Bias, one rounding and the TMA store of a finished tile (``c_smem`` viewed as ``c_desc``'s block)."""
+    if HAS_BIAS:
+        offs = oj + gl.arange(0, BLOCK_J, layout=gl.SliceLayout(0, acc.type.layout))
+        bias = gl.load(bias_ptr + offs, mask=offs < J, other=0.0)
+        acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
+    tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+    view = c_smem._reinterpret(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    view.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [oi, oj], view)
+
+
+@gluon.jit
+def _consumer(c_desc, c_half_desc, b_half_desc, bias_ptr, a_bufs, b_bufs, c_smem, ready, empty, I, J, R,
+              B_T: gl.constexpr, HAS_BIAS: gl.constexpr, TAIL_SPLIT: gl.constexpr, BLOCK_I: gl.constexpr,
+              BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_I: gl.constexpr, RING: gl.constexpr,
+              NUM_PROGRAMS: gl.constexpr, num_warps: gl.constexpr):
+    n_i = gl.cdiv(I, BLOCK_I)
+    n_j = gl.cdiv(J, BLOCK_J)
+    n_k = gl.cdiv(R, BLOCK_R)
+    tiles = n_i * n_j
+    tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+    count = 0
+    for tile in range(gl.program_id(0), tiles - tail, NUM_PROGRAMS):
+        pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
+        acc, count = _mma_tile(a_bufs, b_bufs, b_half_desc, ready, empty, count, n_k, B_T, False, BLOCK_I, BLOCK_J,
+                               RING, num_warps)
+        _store_tile(acc, c_desc, c_smem, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, HAS_BIAS, BLOCK_J)
+    for half in range(gl.program_id(0), 2 * tail, NUM_PROGRAMS):
+        pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+        oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
+        if oj < J:
+            acc, count = _mma_tile(a_bufs, b_bufs, b_half_desc, ready, empty, count, n_k, B_T, True, BLOCK_I,
+                                   BLOCK_J // 2, RING, num_warps)
+            _store_tile(acc, c_half_desc, c_smem, bias_ptr, pid_i * BLOCK_I, oj, J, HAS_BIAS, BLOCK_J // 2)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _linear_fwd_ws_kernel(a_desc, b_desc, c_desc, I, J, R, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
-                          BLOCK_R: gl.constexpr, GROUP_I: gl.constexpr, STAGES: gl.constexpr,
-                          NUM_PROGRAMS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                          num_warps: gl.constexpr):
-    """``C (I, J) = A (I, R) @ B (J, R)^T``: A = x, B = weight, C = out; all descriptors of this module."""
+def _linear_gemm_ws_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bias_ptr, I, J, R,
+                           B_T: gl.constexpr, HAS_BIAS: gl.constexpr, TAIL_SPLIT: gl.constexpr,
+                           BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+                           GROUP_I: gl.constexpr, RING: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                           LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """``C (I, J) = A (I, R) @ B (R, J) (+ bias (J,))``; B's descriptor is over its transpose (J, R) when
+    B_T. ``b_half_desc`` / ``c_half_desc``: B and C with BLOCK_J // 2 in place of BLOCK_J."""
     dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_I, BLOCK_R], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_J, BLOCK_R], b_desc.layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [RING, BLOCK_I, BLOCK_R], a_desc.layout)
+    if B_T:
+        b_bufs = gl.allocate_shared_memory(dtype, [RING, BLOCK_J, BLOCK_R], b_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(dtype, [RING, BLOCK_R, BLOCK_J], b_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_I, BLOCK_J], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(RING):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_consumer, (c_desc, a_bufs, b_bufs, c_smem, ready, empty, I, J, R, BLOCK_I, BLOCK_J, BLOCK_R, GROUP_I,
-                     STAGES, NUM_PROGRAMS, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, I, J, R, BLOCK_I, BLOCK_J, BLOCK_R, GROUP_I,
-                   STAGES, NUM_PROGRAMS)),
+        (_consumer, (c_desc, c_half_desc, b_half_desc, bias_ptr, a_bufs, b_bufs, c_smem, ready, empty, I, J, R, B_T,
+                     HAS_BIAS, TAIL_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R, GROUP_I, RING, NUM_PROGRAMS, num_warps)),
+        (_loader, (a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, I, J, R, B_T, TAIL_SPLIT, BLOCK_I,
+                   BLOCK_J, BLOCK_R, GROUP_I, RING, NUM_PROGRAMS)),
     ], [LOADER_WARPS], [LOADER_REGS])
 
 
-def descriptors(x2d: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> tuple[TensorDescriptor, ...]:
-    """The kernel's A, B and C descriptors for ``x2d (M, K)``, ``weight (N, K)``, ``out (M, N)``."""
-    dt = gl.bfloat16 if x2d.dtype == torch.bfloat16 else gl.float16
+def applies(cfg: LaunchConfig, a: torch.Tensor, a_t: bool, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether ``cfg`` runs this product on the Gluon kernel: it asks for it (``GLUON``), the product is a
+    forward or dX (A not transposed, one reduction chain: no token units) on a CUDA device, and A, B
+    and C share one 16-bit float dtype (the kernel stages C in that dtype). Every other product of such
+    a config runs the Triton TMA kernel, whose bits are the same (module docstring)."""
+    return (bool(dict(cfg.blocks).get("GLUON", 0)) and c.is_cuda and not a_t and cfg["UNIT"] == 0
+            and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype == c.dtype)
 
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dt))
 
-    return desc(x2d, [BLOCK_I, BLOCK_R]), desc(weight, [BLOCK_J, BLOCK_R]), desc(out, [BLOCK_I, BLOCK_J])
+def shared_bytes(cfg: LaunchConfig, element_size: int = 2) -> int:
+    """Shared memory of one program under ``cfg``: the ring of A and B blocks and one C tile."""
+    bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
+    return element_size * (cfg["RING"] * (bi + bj) * br + bi * bj)
 
 
-def linear_fwd_ws(x2d: torch.Tensor, weight: torch.Tensor, programs: int) -> torch.Tensor:
-    """``x2d (M, K) @ weight (N, K).T`` -> ``(M, N)`` in their dtype (bf16 or fp16; contiguous, N and K
-    multiples of 8, M > 0), on at most ``programs`` persistent programs (one per SM). Trusted inputs."""
-    m, n, k = x2d.shape[0], weight.shape[0], x2d.shape[1]
-    out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
-    grid = min(programs, triton.cdiv(m, BLOCK_I) * triton.cdiv(n, BLOCK_J))
-    _linear_fwd_ws_kernel[(grid,)](*descriptors(x2d, weight, out), m, n, k, BLOCK_I, BLOCK_J, BLOCK_R, GROUP_I,
-                                   STAGES, grid, LOADER_WARPS, LOADER_REGS, num_warps=WARPS)
-    return out
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dt))
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, cfg: LaunchConfig
+                ) -> tuple[TensorDescriptor, ...]:
+    """The kernel's A, B, C, half-width B and half-width C descriptors for ``c = a @ B``."""
+    bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
+    return (_descriptor(a, [bi, br]), _descriptor(b, [bj, br] if b_t else [br, bj]), _descriptor(c, [bi, bj]),
+            _descriptor(b, [bj // 2, br] if b_t else [br, bj // 2]), _descriptor(c, [bi, bj // 2]))
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
+         cfg: LaunchConfig, programs: int, tail_split: bool) -> torch.Tensor:
+    """``c (I, J) = a (I, R) @ B (+ bias)``, B stored as ``b`` (R, J), or (J, R) when ``b_t``, on
+    ``programs`` persistent programs; all TMA-ready (unit last stride, 16-byte aligned rows) and
+    :func:`applies` holds. Raises before launching when the config's ring and tile do not fit in
+    shared memory."""
+    if shared_bytes(cfg, a.element_size()) > SHARED_BYTES:
+        raise ValueError(f"linear Gluon config {cfg} needs {shared_bytes(cfg, a.element_size())} bytes of shared "
+                         f"memory per program; sm90 has {SHARED_BYTES}")
+    i_dim, j_dim = c.shape
+    r_dim = a.shape[1]
+    _linear_gemm_ws_kernel[(programs,)](
+        *descriptors(a, b, b_t, c, cfg), bias if bias is not None else c, i_dim, j_dim, r_dim,
+        B_T=b_t, HAS_BIAS=bias is not None, TAIL_SPLIT=tail_split, BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"],
+        BLOCK_R=cfg["BLOCK_R"], GROUP_I=cfg["GROUP_I"], RING=cfg["RING"], NUM_PROGRAMS=programs,
+        LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=cfg.num_warps)
+    return c

@@ -50,6 +50,7 @@ from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
+from flowlock.ops.linear import gluon as gluon_gemm
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
 # walks several tiles per program in CPU tests.
@@ -474,6 +475,8 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
     """Launch ``c = A @ B (+ bias)`` with A stored as ``a`` (transposed when ``a_t``) and B stored
     as ``b`` (transposed when ``b_t``); all 2-D with unit last stride."""
     if cfg["TMA"]:
+        if gluon_gemm.applies(cfg, a, a_t, b, c) and not interpreter_active():
+            return _gemm_gluon(_tma_ready(a), _tma_ready(b), b_t, c, bias, cfg)
         return _gemm_tma(_tma_ready(a), a_t, _tma_ready(b), b_t, c, bias, cfg)
     i_dim, j_dim = c.shape
     r_dim = a.shape[0] if a_t else a.shape[1]
@@ -549,6 +552,19 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
                 _TMA_PLANS.clear()
             _TMA_PLANS[key] = (prepared, programs, stream_k)
     return c
+
+
+def _gemm_gluon(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: torch.Tensor | None,
+                cfg: LaunchConfig) -> torch.Tensor:
+    """:func:`_gemm` on the warp-specialized Gluon kernel (:mod:`flowlock.ops.linear.gluon`): the same
+    persistent grid and split tail as the TMA walk, so the same tiles and bits."""
+    tiles = (-(-c.shape[0] // cfg["BLOCK_I"])) * (-(-c.shape[1] // cfg["BLOCK_J"]))
+    epi_split, flatten, flat_units, tail_split, per_tile, stream_k = _tma_flags(cfg)
+    if per_tile or stream_k:
+        raise ValueError(f"linear: the Gluon kernel walks tiles persistently; config {cfg} asks for PER_TILE or "
+                         "STREAM_K")
+    programs = tma_programs(tiles, _num_programs(c.device.index or 0), tail_split, False)
+    return gluon_gemm.gemm(a, b, b_t, c, bias, cfg, programs, tail_split)
 
 
 def linear_fwd(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
