@@ -31,7 +31,7 @@ def compile_product(b_t: bool) -> dict:
                   BLOCK_R=cfg["BLOCK_R"], GROUP_I=cfg["GROUP_I"], RING=cfg["RING"], NUM_PROGRAMS=132,
                   LOADER_WARPS=lg.LOADER_WARPS, LOADER_REGS=lg.LOADER_REGS, num_warps=cfg.num_warps)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    compiled = triton.compile(gluon._runtime.GluonASTSource(lg._linear_gemm_ws_kernel, sig, consts, {}),
+    compiled = triton.compile(gluon._runtime.GluonASTSource(lg._linear_gemm_ws_kernel.kernel, sig, consts, {}),
                               target=GPUTarget("cuda", 90, 128), options={"num_warps": cfg.num_warps})
     ptx = compiled.asm["ptx"]
     return {"wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.bf16\.bf16", ptx))),

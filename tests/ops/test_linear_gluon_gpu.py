@@ -1,8 +1,8 @@
 """The warp-specialized Gluon GEMM (flowlock.ops.linear.gluon, a config's ``GLUON``) gives the bits of the
 Triton TMA kernel under the same config on a Hopper GPU: the forward with and without bias and dX, at
 H3's linear shapes, at token counts whose walks split their last round into half-width tiles (925,
-4253, 64: every tile split), one row, and again on a repeat; in bf16 and fp16; with the frozen tile and
-with 256-wide tiles where the frozen forward is 128 wide.
+4253, 64: every tile split), one row, and again on a repeat (through the prepared launch); in bf16
+and fp16; with the frozen tile and with 256-wide tiles where the frozen forward is 128 wide.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_gluon_gpu.py
 """
@@ -56,6 +56,7 @@ def _check(name, variant, dtype, tokens):
         got = lt.linear_dx(dy, w, dtype, config=ws_dx)
         assert _same_bits(got, want), f"{name} {variant} M={m} dX"
         assert _same_bits(lt.linear_dx(dy, w, dtype, config=ws_dx), got), f"{name} M={m} dX repeat"
+        assert lg.prepared_launches() > 0, "repeats relaunch the prepared Gluon launch"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -31,10 +31,14 @@ import torch
 import triton
 from triton import knobs
 from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST, CudaLauncher
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+# Host tensor descriptors a prepared launch takes tensors in place of: Triton's and Gluon's (which also
+# carries its shared layout; the tensor map is made from the compiled kernel's metadata either way).
+_DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
 # Encoded tensor maps one descriptor parameter keeps (one per address); past this, it starts afresh.
 # The weights of one layer type across 52 blocks plus its activations fit many times over.
 _MAX_ENCODED = 1024
@@ -63,7 +67,7 @@ class FastLaunch:
     def __init__(self, kernel: JITFunction):
         # Under TRITON_INTERPRET=1, @triton.jit makes an InterpretedFunction (always launched plainly).
         if not isinstance(kernel, (JITFunction, InterpretedFunction)):
-            raise TypeError(f"fast_launch wraps a @triton.jit kernel, got {type(kernel).__name__}")
+            raise TypeError(f"fast_launch wraps a @triton.jit or @gluon.jit kernel, got {type(kernel).__name__}")
         self.kernel = kernel
         self._interpreted = isinstance(kernel, InterpretedFunction)
         # key -> (compiled kernel, launch, head): see launch_plan.
@@ -103,7 +107,7 @@ class FastLaunch:
         (tensor dtypes and 16-byte alignment, integer values 1 and divisibility by 16); checking that
         is the caller's job, which is what makes relaunching cheaper than ``self[grid]``.
 
-        Leading :class:`TensorDescriptor` arguments give a :class:`DescriptorLaunch`, which takes in
+        Leading host tensor descriptors (Triton's or Gluon's) give a :class:`DescriptorLaunch`, which takes in
         their place tensors of the same dtype, shape and strides (zero padding, as ``from_tensor``
         makes them), or ``None`` where Triton did not lower them to CUDA tensor maps.
         """
@@ -119,10 +123,10 @@ class FastLaunch:
             return None
         compiled, launch, head = entry
         tail = tuple(bound.values())[len(args):]
-        descriptors = [a for a in args if isinstance(a, TensorDescriptor)]
+        descriptors = [a for a in args if isinstance(a, _DESCRIPTORS)]
         if not descriptors:
             return PreparedLaunch(launch, head, tail)
-        if not all(isinstance(a, TensorDescriptor) for a in args[:len(descriptors)]):
+        if not all(isinstance(a, _DESCRIPTORS) for a in args[:len(descriptors)]):
             raise ValueError(f"{self.kernel.fn.__name__}: descriptor arguments must lead the positional ones")
         return DescriptorLaunch.of(compiled, head, descriptors, tail)
 
@@ -223,6 +227,6 @@ def launch_hooked() -> bool:
 
 
 def fast_launch(kernel: JITFunction) -> FastLaunch:
-    """Decorator for host-launched kernels (below ``@triton.jit``); never for device functions,
+    """Decorator for host-launched kernels (below ``@triton.jit`` or ``@gluon.jit``); never for device functions,
     which other kernels call and Triton must see as ``JITFunction``."""
     return FastLaunch(kernel)

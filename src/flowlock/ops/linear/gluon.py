@@ -27,7 +27,6 @@ the half blocks' layouts.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -40,9 +39,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flowlock.config import LaunchConfig
+from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 
 # The producer partition: one warp, few registers (it computes tile coordinates and issues TMA).
 LOADER_WARPS, LOADER_REGS = 1, 40
+# Prepared launches (see gemm), past which the table starts afresh: one per layer shape, product and
+# token count in use.
+_MAX_PLANS = 1024
+_PLANS: dict[tuple, DescriptorLaunch] = {}
 # Shared memory one program may use on sm90 (227 KiB), less what the barriers and alignment take.
 SHARED_BYTES = 227 * 1024 - 1024
 
@@ -188,6 +192,7 @@ def _consumer(c_desc, c_half_desc, b_half_desc, bias_ptr, a_bufs, b_bufs, c_smem
     tma.store_wait(pendings=0)
 
 
+@fast_launch
 @gluon.jit
 def _linear_gemm_ws_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bias_ptr, I, J, R,
                            B_T: gl.constexpr, HAS_BIAS: gl.constexpr, TAIL_SPLIT: gl.constexpr,
@@ -249,15 +254,39 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: tor
     """``c (I, J) = a (I, R) @ B (+ bias)``, B stored as ``b`` (R, J), or (J, R) when ``b_t``, on
     ``programs`` persistent programs; all TMA-ready (unit last stride, 16-byte aligned rows) and
     :func:`applies` holds. Raises before launching when the config's ring and tile do not fit in
-    shared memory."""
+    shared memory.
+
+    The first launch of each (config, operands' dtypes, shapes and strides, bias, grid) goes through
+    Gluon and keeps its prepared launch; later ones relaunch it with the new tensors (their tensor
+    maps encoded once per address), as the Triton TMA kernel's launches do. The key fixes every value
+    the kernel is specialized on (sizes exactly; every pointer 16-byte aligned but the bias, whose
+    alignment is in the key)."""
     if shared_bytes(cfg, a.element_size()) > SHARED_BYTES:
         raise ValueError(f"linear Gluon config {cfg} needs {shared_bytes(cfg, a.element_size())} bytes of shared "
                          f"memory per program; sm90 has {SHARED_BYTES}")
     i_dim, j_dim = c.shape
     r_dim = a.shape[1]
-    _linear_gemm_ws_kernel[(programs,)](
-        *descriptors(a, b, b_t, c, cfg), bias if bias is not None else c, i_dim, j_dim, r_dim,
-        B_T=b_t, HAS_BIAS=bias is not None, TAIL_SPLIT=tail_split, BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"],
-        BLOCK_R=cfg["BLOCK_R"], GROUP_I=cfg["GROUP_I"], RING=cfg["RING"], NUM_PROGRAMS=programs,
-        LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=cfg.num_warps)
+    bias_arg = bias if bias is not None else c
+    key = (cfg, b_t, bias is None, a.dtype, bias_arg.dtype, bias_arg.data_ptr() % 16 == 0, a.shape, a.stride(),
+           b.shape, b.stride(), c.shape, c.stride(), programs, tail_split, torch._C._cuda_getDevice())
+    plan = _PLANS.get(key)
+    if plan is not None and not launch_hooked():
+        plan(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, b, c, bias_arg, i_dim, j_dim, r_dim)
+        return c
+    args = (*descriptors(a, b, b_t, c, cfg), bias_arg, i_dim, j_dim, r_dim)
+    kwargs = dict(B_T=b_t, HAS_BIAS=bias is not None, TAIL_SPLIT=tail_split, BLOCK_I=cfg["BLOCK_I"],
+                  BLOCK_J=cfg["BLOCK_J"], BLOCK_R=cfg["BLOCK_R"], GROUP_I=cfg["GROUP_I"], RING=cfg["RING"],
+                  NUM_PROGRAMS=programs, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
+                  num_warps=cfg.num_warps)
+    _linear_gemm_ws_kernel[(programs,)](*args, **kwargs)
+    prepared = _linear_gemm_ws_kernel.prepared(*args, **kwargs)
+    if isinstance(prepared, DescriptorLaunch):
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = prepared
     return c
+
+
+def prepared_launches() -> int:
+    """How many prepared launches are kept (a GPU test checks relaunches take them)."""
+    return len(_PLANS)
