@@ -26,6 +26,7 @@ import harness
 import torch
 
 import flowlock
+from flowlock.ops.linear import gluon as lg
 from flowlock.ops.linear import triton as lt
 
 SHAPES = {"qkv": (21504, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336)}
@@ -34,17 +35,20 @@ BF16 = torch.bfloat16
 
 
 class _TritonOnly:
-    """Inside: every GEMM launch takes Triton's path (an empty plan table, and the kernel prepares
-    nothing, so no plan is built either); the launcher's own table and kernel come back after."""
+    """Inside: every GEMM launch takes its compiler's own path (Triton's, or Gluon's for the kernel the
+    forward and dX run on sm90): empty plan tables, and the kernels prepare nothing, so no plan is
+    built either; the launchers' own tables and kernels come back after."""
 
     def __enter__(self):
-        self.table = lt._TMA_PLANS
-        lt._TMA_PLANS = {}
-        lt._linear_gemm_tma_kernel.prepared = lambda *args, **kwargs: None
+        self.tables = lt._TMA_PLANS, lg._PLANS
+        lt._TMA_PLANS, lg._PLANS = {}, {}
+        for kernel in (lt._linear_gemm_tma_kernel, lg._linear_gemm_ws_kernel):
+            kernel.prepared = lambda *args, **kwargs: None
 
     def __exit__(self, *exc):
-        del lt._linear_gemm_tma_kernel.prepared
-        lt._TMA_PLANS = self.table
+        for kernel in (lt._linear_gemm_tma_kernel, lg._linear_gemm_ws_kernel):
+            del kernel.prepared
+        lt._TMA_PLANS, lg._PLANS = self.tables
 
 
 def _extra(parser):

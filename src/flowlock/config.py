@@ -206,16 +206,18 @@ _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
 # after dX otherwise: flowlock.ops.linear.triton.linear_dx_dw, runs_beside) move no arithmetic. STREAM_K
 # (the kernel's exact stream-K, same bits) is a sweep candidate only: faster alone for dX at M = 925, no
 # faster in the model step, where dW beside dX already fills those SMs (docs/performance.md).
+# GLUON: the forward and dX run on the warp-specialized Gluon kernel (flowlock.ops.linear.gluon; same tiles,
+# walk and bits as the Triton TMA kernel, RING = its ring depth): 0.99 of the Triton kernel's time at
+# 256-wide tiles for every H3 shape and M in {925, 4253, 16384}, and 0.91-0.93 for the N = 5376 forwards
+# (out, fc2) at M = 4253 / 16384, which the Triton kernel ran 128 wide (1.03-1.05 at M = 925; H200,
+# benchmarks/results/linear_gluon_h200_12e8f8f.json). dW keeps the Triton kernel (token units).
 # fp16 takes the bf16 tiles untimed: the same operand bytes and tensor-core rate, the same fp32 accumulator
 for _dt in ("bf16", "fp16"):
     _note = _LINEAR_SM90 if _dt == "bf16" else "bf16 tiles, untimed for fp16"
     register("linear_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, note=_note))
-    for _shape in ((5376, 7168), (5376, 14336)):  # N = 5376: 128-wide tiles fill the last wave better at M = 4096
-        register("linear_fwd", _dt, "sm90", _cfg(8, 4, BLOCK_I=128, BLOCK_J=128, BLOCK_R=64, GROUP_I=8, UNIT=0,
-                                                 TMA=1, EPI_SPLIT=0, FLATTEN=1, TAIL_SPLIT=1, note=_note), _shape)
+                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, GLUON=1, RING=3, note=_note))
     register("linear_dx", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                            EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, note=_note))
+                                            EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, GLUON=1, RING=3, note=_note))
     register("linear_dw", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
                                             EPI_SPLIT=1, FLAT_UNITS=1, TAIL_SPLIT=1, PER_TILE=1,
                                             note=_note + "; UNIT = dW token unit; PER_TILE: runs beside dX"))

@@ -74,3 +74,26 @@ def test_gluon_rejects_a_ring_that_does_not_fit_before_launching():
     cfg = lt.lookup("linear_fwd", w, x, w).with_blocks(GLUON=1, RING=4, BLOCK_J=256)
     with pytest.raises(ValueError, match="shared memory"):
         lt.linear_fwd(x, w, None, BF16, config=cfg)
+
+
+def test_gluon_relaunch_with_new_tensors_keeps_the_bits():
+    """The prepared launch with new tensors at new addresses (the first ones still alive), then the
+    first weight with new activations, against the Triton kernel."""
+    n, k = SHAPES["q"]
+    first = _operands(925, n, k, BF16, seed=5)
+    second = _operands(925, n, k, BF16, seed=6)
+    cfg = lt.lookup("linear_fwd", first[1], first[0], first[1])
+    dx_cfg = lt.lookup("linear_dx", first[1], first[2], first[1])
+    assert lg.applies(cfg, first[0], False, first[1], first[0]), "the frozen sm90 bf16 forward runs on Gluon"
+    lg._PLANS.clear()
+    lt.linear_fwd(first[0], first[1], first[3], BF16)
+    lt.linear_dx(first[2], first[1], BF16)
+    assert lg.prepared_launches() == 2
+    for x, w, dy, bias in (second, (second[0], first[1], second[2], first[3])):
+        got = lt.linear_fwd(x, w, bias, BF16)
+        want = lt.linear_fwd(x, w, bias, BF16, config=cfg.with_blocks(GLUON=0))
+        assert _same_bits(got, want), "forward relaunch"
+        got = lt.linear_dx(dy, w, BF16)
+        want = lt.linear_dx(dy, w, BF16, config=dx_cfg.with_blocks(GLUON=0))
+        assert _same_bits(got, want), "dX relaunch"
+    assert lg.prepared_launches() == 2, "no new plans: the relaunches took the prepared ones"

@@ -1,5 +1,6 @@
-"""linear's prepared TMA launches on a Hopper GPU: a relaunch (tensor maps encoded once per address)
-gives the bits of Triton's own launch, for new tensors at new addresses too, and is what runs.
+"""linear's prepared launches of the Triton TMA kernel on a Hopper GPU: a relaunch (tensor maps encoded
+once per address) gives the bits of Triton's own launch, for new tensors at new addresses too, and is
+what runs.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_prepared_gpu.py
 """
@@ -32,14 +33,22 @@ def _operands(dtype, bias, seed, size="small", m=925):
     return x, w, b, dy
 
 
+def _tma(op, w, *operands):
+    """The frozen config on the Triton TMA kernel (the bf16 forward and dX run on the Gluon one, whose
+    prepared launches test_linear_gluon_gpu.py covers)."""
+    return lt.lookup(op, w, *operands).with_blocks(GLUON=0)
+
+
 def _products(x, w, b, dy):
-    return (lt.linear_fwd(x, w, b, x.dtype), lt.linear_dx(dy, w, x.dtype), lt.linear_dw(dy, x, w, w.dtype))
+    return (lt.linear_fwd(x, w, b, x.dtype, config=_tma("linear_fwd", w, x, w)),
+            lt.linear_dx(dy, w, x.dtype, config=_tma("linear_dx", w, dy, w)), lt.linear_dw(dy, x, w, w.dtype))
 
 
 def _through_triton(x, w, b, dy):
     """Each product through Triton's launch: the plan table is emptied before each."""
     out = []
-    for product in (lambda: lt.linear_fwd(x, w, b, x.dtype), lambda: lt.linear_dx(dy, w, x.dtype),
+    for product in (lambda: lt.linear_fwd(x, w, b, x.dtype, config=_tma("linear_fwd", w, x, w)),
+                    lambda: lt.linear_dx(dy, w, x.dtype, config=_tma("linear_dx", w, dy, w)),
                     lambda: lt.linear_dw(dy, x, w, w.dtype)):
         lt._TMA_PLANS.clear()
         out.append(product())
@@ -79,7 +88,7 @@ def test_stream_k_relaunch_takes_a_fresh_workspace():
     """A prepared STREAM_K launch (the sweep candidate) gets a zeroed ticket and turn flags on every
     relaunch: reused ones would hand out tickets past the last program."""
     x, w, _, dy = _operands(torch.bfloat16, False, seed=2, size="q")
-    cfg = lt.lookup("linear_dx", w, dy, w).with_blocks(STREAM_K=1)
+    cfg = _tma("linear_dx", w, dy, w).with_blocks(STREAM_K=1)
     lt._TMA_PLANS.clear()
     first = lt.linear_dx(dy, w, torch.bfloat16, config=cfg)
     assert [plan[2] for plan in lt._TMA_PLANS.values()] == [True], "one plan, stream-K"

@@ -39,13 +39,13 @@ def _operands(m, n, k, seed=0):
 
 
 def _products(x, w, dy, schedule: str = "frozen"):
-    """Forward, dX and dW with the frozen configs, those with STREAM_K on (``stream_k``; dW has token
-    units, so it keeps the walk), or those without TAIL_SPLIT (``whole``: the walk over whole tiles)."""
+    """Forward, dX and dW with the frozen configs, those with STREAM_K on the Triton kernel (``stream_k``;
+    dW has token units, so it keeps the walk), or those without TAIL_SPLIT (``whole``: the walk over whole tiles)."""
     cfgs = {op: lt.lookup(op, w, *ops) for op, ops in
             (("linear_fwd", (x, w)), ("linear_dx", (dy, w)), ("linear_dw", (dy, x)))}
     assert all(dict(c.blocks).get("TAIL_SPLIT") for c in cfgs.values()), "the sm90 configs split the tail"
     if schedule == "stream_k":
-        cfgs = {op: c.with_blocks(STREAM_K=1) for op, c in cfgs.items()}
+        cfgs = {op: c.with_blocks(STREAM_K=1, GLUON=0) for op, c in cfgs.items()}  # stream-K is the Triton kernel's
     elif schedule == "whole":
         cfgs = {op: c.with_blocks(TAIL_SPLIT=0) for op, c in cfgs.items()}
     return (lt.linear_fwd(x, w, None, BF16, config=cfgs["linear_fwd"]),
