@@ -210,7 +210,7 @@ _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
 # walk and bits as the Triton TMA kernel, RING = its ring depth): 0.99 of the Triton kernel's time at
 # 256-wide tiles for every H3 shape and M in {925, 4253, 16384}, and 0.91-0.93 for the N = 5376 forwards
 # (out, fc2) at M = 4253 / 16384, which the Triton kernel ran 128 wide (1.03-1.05 at M = 925; H200,
-# benchmarks/results/linear_gluon_h200_12e8f8f.json). dW keeps the Triton kernel (token units).
+# benchmarks/results/linear_gluon_h200_12e8f8f_{frozen_tile,wide}.json). dW keeps the Triton kernel (token units).
 # fp16 takes the bf16 tiles untimed: the same operand bytes and tensor-core rate, the same fp32 accumulator
 for _dt in ("bf16", "fp16"):
     _note = _LINEAR_SM90 if _dt == "bf16" else "bf16 tiles, untimed for fp16"

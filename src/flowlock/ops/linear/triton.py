@@ -26,7 +26,9 @@ what sequence parallelism needs. dBias uses the same units.
 
 Two kernel variants share these semantics; the launch config names the one to use (``TMA``):
 ``_linear_gemm_tma_kernel`` (Hopper: TMA tensor descriptors, persistent grid with a fixed grouped
-tile order) and ``_linear_gemm_kernel`` (plain masked ``tl.load``, any GPU and the interpreter).
+tile order) and ``_linear_gemm_kernel`` (plain masked ``tl.load``, any GPU and the interpreter). A TMA
+config with ``GLUON`` runs the forward and dX in 16-bit floats on the warp-specialized Gluon kernel of
+:mod:`flowlock.ops.linear.gluon` instead: the same tiles, walk and bits (:func:`_gemm_gluon`).
 The TMA variant may run the last, partial round of its walk as half-width tiles (``TAIL_SPLIT``):
 at M = 925 the dX of q, k, v and fc1 is 168 tiles of 128 x 256 on 132 SMs, whose second round
 would leave 96 SMs idle for a whole tile's time. ``STREAM_K`` (a sweep candidate, in no frozen
