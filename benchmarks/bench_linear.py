@@ -49,9 +49,11 @@ def _extra(parser):
                         help="time just these candidate indices (0: the frozen config, 1: it walking whole tiles, "
                              "2: it with STREAM_K)")
     parser.add_argument("--variant", nargs="+", default=None, metavar="BLOCK=VALUE",
-                        help="forward and dX with these blocks set in the frozen configs (e.g. STREAM_K=1) "
+                        help="--variant-ops with these blocks set in the frozen configs (e.g. STREAM_K=1) "
                              "against the frozen ones (same bits, checked) and against cuBLAS, at --sweep-m or the "
                              "default M")
+    parser.add_argument("--variant-ops", nargs="+", default=["linear_fwd", "linear_dx"],
+                        choices=["linear_fwd", "linear_dx", "linear_dw"], help="the products --variant times")
     parser.add_argument("--beside", action="store_true",
                         help="time dW beside dX (linear_dx_dw) against the two one by one (at --sweep-m)")
     parser.add_argument("--commit", default=None, help="commit to record when the tree has no .git")
@@ -281,10 +283,10 @@ def _beside(device, shapes, ms, t_end) -> list[dict]:
     return results
 
 
-def _variant(device, shapes, ms, t_end, blocks: dict[str, int]) -> list[dict]:
-    """Forward and dX of each layer with the frozen config's ``blocks`` set (a schedule that moves no
-    bits: STREAM_K=1, TAIL_SPLIT=0) against the frozen config and against cuBLAS; same
-    bits checked; queued (the GPU's rate) and idle (host launch time counts)."""
+def _variant(device, shapes, ms, t_end, blocks: dict[str, int], ops=("linear_fwd", "linear_dx")) -> list[dict]:
+    """``ops`` (forward, dX, dW) of each layer with the frozen config's ``blocks`` set (a schedule or
+    kernel that moves no bits: STREAM_K=1, TAIL_SPLIT=0, GLUON=1) against the frozen config and against
+    cuBLAS; same bits checked; queued (the GPU's rate) and idle (host launch time counts)."""
     results = []
     for m in ms:
         for name, (n, k) in shapes.items():
@@ -293,13 +295,17 @@ def _variant(device, shapes, ms, t_end, blocks: dict[str, int]) -> list[dict]:
                     ("linear_fwd", lambda c, x=x, w=w: lt.linear_fwd(x, w, None, BF16, config=c),
                      lambda _, x=x, w=w: F.linear(x, w)),
                     ("linear_dx", lambda c, dy=dy, w=w: lt.linear_dx(dy, w, BF16, config=c),
-                     lambda _, dy=dy, w=w: torch.mm(dy, w))):
+                     lambda _, dy=dy, w=w: torch.mm(dy, w)),
+                    ("linear_dw", lambda c, dy=dy, x=x, w=w: lt.linear_dw(dy, x, w, BF16, config=c),
+                     lambda _, dy=dy, x=x: torch.mm(dy.T, x))):
+                if op not in ops:
+                    continue
                 if time.perf_counter() > t_end:
                     return results
                 frozen = launch_config(op, BF16, arch_of(w), (n, k))
                 cfg = frozen.with_blocks(**blocks)
-                cols = n if op == "linear_fwd" else k
-                tiles = -(-m // cfg["BLOCK_I"]) * -(-cols // cfg["BLOCK_J"])
+                rows, cols = {"linear_fwd": (m, n), "linear_dx": (m, k), "linear_dw": (n, k)}[op]
+                tiles = -(-rows // cfg["BLOCK_I"]) * -(-cols // cfg["BLOCK_J"])
                 sms = lt._num_programs(device.index or 0) if device.type == "cuda" else lt._INTERP_PROGRAMS
                 row = {"shape": name, "m": m, "op": op, "tiles": tiles, "variant": blocks,
                        "stream_k": lt.streams_k(bool(dict(cfg.blocks).get("STREAM_K", 0)), cfg["UNIT"], False, tiles,
@@ -377,7 +383,8 @@ def main(argv=None) -> None:
         if args.variant:
             blocks = {k: int(v) for k, v in (item.split("=") for item in args.variant)}
             variant_shapes = shapes if args.smoke else BESIDE_SHAPES
-            _section(payload, "variant", lambda: _variant(device, variant_shapes, args.sweep_m or ms, t_end, blocks),
+            _section(payload, "variant",
+                     lambda: _variant(device, variant_shapes, args.sweep_m or ms, t_end, blocks, args.variant_ops),
                      args.out)
         if args.beside:
             beside_shapes = shapes if args.smoke else BESIDE_SHAPES
