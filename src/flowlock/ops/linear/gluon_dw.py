@@ -19,8 +19,9 @@ ring of two stages.
 
 Synchronization is :mod:`flowlock.ops.linear.gluon`'s (ready / empty mbarriers per stage; an arrive in
 the 8-warp partition is a barrier over it then one arrive). A thread reads back only the total
-elements it wrote, so the fold needs no barrier; the TMA store of a tile's result is waited for
-before the next tile zeroes the total.
+elements it wrote, so a fold needs no barrier, except the last, whose rounded values overwrite other
+threads' elements: a barrier over the partition after every thread's read. The TMA store of a tile's
+result is waited for before the next tile zeroes the total.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def _fold(acc, total, c_half_desc, oi, oj, last):
     """total += acc (the unit sum), in fp32; on the tile's last unit, round and TMA-store instead."""
     t = total.load(acc.type.layout) + acc
     if last:
+        # The rounded tile overwrites the total's first bytes, where other threads' fp32 elements
+        # live: every thread has read its elements before any writes.
+        gl.thread_barrier()
         view = total._reinterpret(c_half_desc.dtype, c_half_desc.block_type.shape, c_half_desc.layout)
         view.store(t.to(c_half_desc.dtype))
         fence_async_shared()
