@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flowlock.config import LaunchConfig
 from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
+from flowlock.ops.linear.tile_order import split_tail, tile_coords
 
 # The producer partition: one warp, few registers (it computes tile coordinates and issues TMA).
 LOADER_WARPS, LOADER_REGS = 1, 40
@@ -52,25 +53,15 @@ SHARED_BYTES = 227 * 1024 - 1024
 
 
 @gluon.jit
-def _tile_coords(tile, n_i, n_j, GROUP_I: gl.constexpr):
-    """The Triton kernel's grouped tile order."""
-    width = GROUP_I * n_j
-    first_i = (tile // width) * GROUP_I
-    size_i = gl.minimum(n_i - first_i, GROUP_I)
-    pid_i = first_i + (tile % width) % size_i
-    pid_j = (tile % width) // size_i
-    return pid_i, pid_j
-
-
-@gluon.jit
-def _split_tail(tiles, NUM_PROGRAMS: gl.constexpr, TAIL_SPLIT: gl.constexpr):
-    """How many of the last tiles run as two half-width tiles each (the Triton kernel's rule)."""
-    tail = tiles % NUM_PROGRAMS
-    if not TAIL_SPLIT:
-        tail = 0
-    if 2 * tail > NUM_PROGRAMS:
-        tail = 0
-    return tail
+def _walk(I, J, R, TAIL_SPLIT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+          NUM_PROGRAMS: gl.constexpr):
+    """``(n_i, n_j, n_k, tiles, tail)`` of the walk both partitions follow: row and column tiles, BLOCK_R
+    steps, tiles, and how many of the last tiles run as two half-width tiles each."""
+    n_i = gl.cdiv(I, BLOCK_I)
+    n_j = gl.cdiv(J, BLOCK_J)
+    n_k = gl.cdiv(R, BLOCK_R)
+    tiles = n_i * n_j
+    return n_i, n_j, n_k, tiles, split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
 
 
 @gluon.jit
@@ -110,18 +101,14 @@ def _load_tile(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, oi, oj
 def _loader(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, I, J, R, B_T: gl.constexpr,
             TAIL_SPLIT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
             GROUP_I: gl.constexpr, RING: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
-    n_i = gl.cdiv(I, BLOCK_I)
-    n_j = gl.cdiv(J, BLOCK_J)
-    n_k = gl.cdiv(R, BLOCK_R)
-    tiles = n_i * n_j
-    tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+    n_i, n_j, n_k, tiles, tail = _walk(I, J, R, TAIL_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R, NUM_PROGRAMS)
     count = 0
     for tile in range(gl.program_id(0), tiles - tail, NUM_PROGRAMS):
-        pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
+        pid_i, pid_j = tile_coords(tile, n_i, n_j, GROUP_I)
         count = _load_tile(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, pid_i * BLOCK_I,
                            pid_j * BLOCK_J, count, n_k, B_T, False, BLOCK_R, RING)
     for half in range(gl.program_id(0), 2 * tail, NUM_PROGRAMS):
-        pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+        pid_i, pid_j = tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
         oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
         if oj < J:  # the right half of the last column tile may lie wholly past J
             count = _load_tile(a_desc, b_desc, b_half_desc, a_bufs, b_bufs, ready, empty, pid_i * BLOCK_I, oj,
@@ -171,19 +158,15 @@ def _consumer(c_desc, c_half_desc, b_half_desc, bias_ptr, a_bufs, b_bufs, c_smem
               B_T: gl.constexpr, HAS_BIAS: gl.constexpr, TAIL_SPLIT: gl.constexpr, BLOCK_I: gl.constexpr,
               BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr, GROUP_I: gl.constexpr, RING: gl.constexpr,
               NUM_PROGRAMS: gl.constexpr, num_warps: gl.constexpr):
-    n_i = gl.cdiv(I, BLOCK_I)
-    n_j = gl.cdiv(J, BLOCK_J)
-    n_k = gl.cdiv(R, BLOCK_R)
-    tiles = n_i * n_j
-    tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+    n_i, n_j, n_k, tiles, tail = _walk(I, J, R, TAIL_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R, NUM_PROGRAMS)
     count = 0
     for tile in range(gl.program_id(0), tiles - tail, NUM_PROGRAMS):
-        pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
+        pid_i, pid_j = tile_coords(tile, n_i, n_j, GROUP_I)
         acc, count = _mma_tile(a_bufs, b_bufs, b_half_desc, ready, empty, count, n_k, B_T, False, BLOCK_I, BLOCK_J,
                                RING, num_warps)
         _store_tile(acc, c_desc, c_smem, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, HAS_BIAS, BLOCK_J)
     for half in range(gl.program_id(0), 2 * tail, NUM_PROGRAMS):
-        pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+        pid_i, pid_j = tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
         oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
         if oj < J:
             acc, count = _mma_tile(a_bufs, b_bufs, b_half_desc, ready, empty, count, n_k, B_T, True, BLOCK_I,

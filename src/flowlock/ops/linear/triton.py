@@ -53,6 +53,7 @@ from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
 from flowlock.ops.linear import gluon as gluon_gemm
+from flowlock.ops.linear.tile_order import split_tail, tile_coords
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
 # walks several tiles per program in CPU tests.
@@ -62,17 +63,6 @@ _INTERP_PROGRAMS = 3
 # layer shape, product and token count in use.
 _MAX_TMA_PLANS = 1024
 _TMA_PLANS: dict[tuple, tuple[DescriptorLaunch, int]] = {}
-
-
-@triton.jit
-def _tile_coords(tile, n_i, n_j, GROUP_I: tl.constexpr):
-    """Grouped tile order: GROUP_I row tiles walk the columns together (L2 reuse of B)."""
-    width = GROUP_I * n_j
-    first_i = (tile // width) * GROUP_I
-    size_i = tl.minimum(n_i - first_i, GROUP_I)
-    pid_i = first_i + (tile % width) % size_i
-    pid_j = (tile % width) // size_i
-    return pid_i, pid_j
 
 
 @triton.jit
@@ -135,7 +125,7 @@ def _linear_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, I, J, R,
     """Pointer variant: one program per (BLOCK_I, BLOCK_J) output tile. UNIT == 0: one unit."""
     n_i = tl.cdiv(I, BLOCK_I)
     n_j = tl.cdiv(J, BLOCK_J)
-    pid_i, pid_j = _tile_coords(tl.program_id(0), n_i, n_j, GROUP_I)
+    pid_i, pid_j = tile_coords(tl.program_id(0), n_i, n_j, GROUP_I)
     offs_i = (pid_i * BLOCK_I + tl.arange(0, BLOCK_I)).to(tl.int64)
     offs_j = (pid_j * BLOCK_J + tl.arange(0, BLOCK_J)).to(tl.int64)
     acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
@@ -276,7 +266,7 @@ def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program,
     last = (end - 1) // n_k
     last_steps = end - last * n_k
     if last_steps < n_k:
-        pid_i, pid_j = _tile_coords(last, n_i, n_j, GROUP_I)
+        pid_i, pid_j = tile_coords(last, n_i, n_j, GROUP_I)
         head = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
         head = _tma_dot_range(a_desc, b_desc, pid_i * BLOCK_I, pid_j * BLOCK_J, 0, last_steps * BLOCK_R, head,
                               A_T, B_T, BLOCK_R, FP32_DOT, False)
@@ -284,11 +274,11 @@ def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program,
         pass_turn(turns + 1 + program, 1)
     whole_hi = tl.where(last_steps < n_k, last, last + 1)
     for t in tl.range(first + (first_step > 0), whole_hi):
-        pid_i, pid_j = _tile_coords(t, n_i, n_j, GROUP_I)
+        pid_i, pid_j = tile_coords(t, n_i, n_j, GROUP_I)
         _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T, HAS_BIAS,
                   0, FP32_DOT, False, SOFT_BF16, EPI_SPLIT, False, BLOCK_I, BLOCK_J, BLOCK_R)
     if first_step > 0:
-        pid_i, pid_j = _tile_coords(first, n_i, n_j, GROUP_I)
+        pid_i, pid_j = tile_coords(first, n_i, n_j, GROUP_I)
         # the slot's address depends on the value the wait returns (1), so it is read after the turn
         slot = program - 2 + wait_turn(turns + program, 1)
         acc = tl.load(_chain_slot(chain_ptr, slot, BLOCK_I, BLOCK_J))
@@ -296,16 +286,6 @@ def _stream_k_share(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, turns, program,
                              A_T, B_T, BLOCK_R, FP32_DOT, False)
         _tma_epilogue(acc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, HAS_BIAS, SOFT_BF16, EPI_SPLIT,
                       BLOCK_I, BLOCK_J)
-
-
-@triton.jit
-def _split_tail(tiles, NUM_PROGRAMS: tl.constexpr, TAIL_SPLIT: tl.constexpr):
-    """How many of the last tiles run as two half-width tiles each: the partial last round of the
-    persistent walk when its halves fit one round (2 * tail <= NUM_PROGRAMS), else none."""
-    tail = tiles % NUM_PROGRAMS
-    if not TAIL_SPLIT:
-        tail = 0
-    return tl.where(2 * tail <= NUM_PROGRAMS, tail, 0)
 
 
 @fast_launch
@@ -348,15 +328,15 @@ def _linear_gemm_tma_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bi
                         J, R, A_T, B_T, HAS_BIAS, FP32_DOT, SOFT_BF16, EPI_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R,
                         GROUP_I, NUM_PROGRAMS)
     else:
-        tail = _split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
+        tail = split_tail(tiles, NUM_PROGRAMS, TAIL_SPLIT)
         for tile in tl.range(tl.program_id(0), tiles - tail, NUM_PROGRAMS, flatten=FLATTEN):
-            pid_i, pid_j = _tile_coords(tile, n_i, n_j, GROUP_I)
+            pid_i, pid_j = tile_coords(tile, n_i, n_j, GROUP_I)
             _tma_tile(a_desc, b_desc, c_desc, bias_ptr, pid_i * BLOCK_I, pid_j * BLOCK_J, J, R, A_T, B_T,
                       HAS_BIAS, UNIT, FP32_DOT, COMPENSATED, SOFT_BF16, EPI_SPLIT, FLAT_UNITS, BLOCK_I, BLOCK_J,
                       BLOCK_R)
         if TAIL_SPLIT:
             for half in tl.range(tl.program_id(0), 2 * tail, NUM_PROGRAMS):
-                pid_i, pid_j = _tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
+                pid_i, pid_j = tile_coords(tiles - tail + half // 2, n_i, n_j, GROUP_I)
                 oj = pid_j * BLOCK_J + (half % 2) * (BLOCK_J // 2)
                 if oj < J:  # the right half of the last column tile may lie wholly past J
                     _tma_tile(a_desc, b_half_desc, c_half_desc, bias_ptr, pid_i * BLOCK_I, oj, J, R, A_T, B_T,
@@ -463,7 +443,7 @@ def streams_k(stream_k: bool, unit: int, compensated: bool, tiles: int, programs
 def tma_programs(tiles: int, processors: int, tail_split: bool, per_tile: bool) -> int:
     """Programs of the TMA walk for ``tiles`` output tiles on ``processors`` SMs. Persistent: one per
     SM, or one per tile when there are fewer, or one per half tile when TAIL_SPLIT halves them all
-    within one round (the kernel's ``_split_tail`` then takes every tile as the tail). PER_TILE: one
+    within one round (the kernel's ``split_tail`` then takes every tile as the tail). PER_TILE: one
     per tile, which the GPU schedules onto SMs as they free up (a product running beside another)."""
     if per_tile:
         return tiles
