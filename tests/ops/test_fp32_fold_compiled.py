@@ -9,20 +9,11 @@ every ``tt.dot`` starts from a zero accumulator; the probe's plain-fold control 
 combined, which shows the check sees the rewrite.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-PROBE = pathlib.Path(__file__).resolve().parent / "fp32_fold_probe.py"
+from compile_probe import run_compile_probe
 
 
 def test_fp32_block_fold_is_not_combined_into_one_chain():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    dots = json.loads(run.stdout.strip().splitlines()[-1])
+    dots = run_compile_probe("fp32_fold_probe.py", timeout=600)
     control = dots.pop("control")
     assert control and not any(d["zero_acc"] for d in control), "the control's plain fold was not combined"
     for kernel, found in dots.items():

@@ -4,20 +4,11 @@ full tile and the m64 n128 k16 of its split tail's half tile, synchronizes the c
 before each stage release, and fits an sm90 program's shared memory as ``shared_bytes`` counts it.
 Whether it keeps the Triton kernel's bits is a GPU test (test_linear_gluon_gpu.py)."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
-PROBE = pathlib.Path(__file__).resolve().parent / "linear_gluon_probe.py"
+from compile_probe import run_compile_probe
 
 
 def test_gluon_gemm_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = run_compile_probe("linear_gluon_probe.py")
     for product in ("forward", "dx"):
         got = found[product]
         assert got["wgmma"] == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
