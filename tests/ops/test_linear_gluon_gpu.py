@@ -12,6 +12,7 @@ import torch
 
 from flowlock.ops.linear import gluon as lg
 from flowlock.ops.linear import triton as lt
+from flowlock.testing import bitwise_equal
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,10 +24,6 @@ BF16 = torch.bfloat16
 SHAPES = {"q": (7168, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336), "qkv": (21504, 5376)}
 TOKENS = (925, 4253, 64, 1)
 VARIANTS = {"frozen_tile": dict(GLUON=1, RING=3), "wide": dict(GLUON=1, RING=3, BLOCK_J=256, EPI_SPLIT=1)}
-
-
-def _same_bits(a, b):
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def _operands(m, n, k, dtype, seed):
@@ -50,12 +47,12 @@ def _check(name, variant, dtype, tokens):
         for b in (None, bias):
             want = lt.linear_fwd(x, w, b, dtype, config=ws_fwd.with_blocks(GLUON=0))
             got = lt.linear_fwd(x, w, b, dtype, config=ws_fwd)
-            assert _same_bits(got, want), f"{name} {variant} M={m} forward bias={b is not None}"
-            assert _same_bits(lt.linear_fwd(x, w, b, dtype, config=ws_fwd), got), f"{name} M={m} forward repeat"
+            assert bitwise_equal(got, want), f"{name} {variant} M={m} forward bias={b is not None}"
+            assert bitwise_equal(lt.linear_fwd(x, w, b, dtype, config=ws_fwd), got), f"{name} M={m} forward repeat"
         want = lt.linear_dx(dy, w, dtype, config=ws_dx.with_blocks(GLUON=0))
         got = lt.linear_dx(dy, w, dtype, config=ws_dx)
-        assert _same_bits(got, want), f"{name} {variant} M={m} dX"
-        assert _same_bits(lt.linear_dx(dy, w, dtype, config=ws_dx), got), f"{name} M={m} dX repeat"
+        assert bitwise_equal(got, want), f"{name} {variant} M={m} dX"
+        assert bitwise_equal(lt.linear_dx(dy, w, dtype, config=ws_dx), got), f"{name} M={m} dX repeat"
         assert lg.prepared_launches() > 0, "repeats relaunch the prepared Gluon launch"
 
 
@@ -92,8 +89,8 @@ def test_gluon_relaunch_with_new_tensors_keeps_the_bits():
     for x, w, dy, bias in (second, (second[0], first[1], second[2], first[3])):
         got = lt.linear_fwd(x, w, bias, BF16)
         want = lt.linear_fwd(x, w, bias, BF16, config=cfg.with_blocks(GLUON=0))
-        assert _same_bits(got, want), "forward relaunch"
+        assert bitwise_equal(got, want), "forward relaunch"
         got = lt.linear_dx(dy, w, BF16)
         want = lt.linear_dx(dy, w, BF16, config=dx_cfg.with_blocks(GLUON=0))
-        assert _same_bits(got, want), "dX relaunch"
+        assert bitwise_equal(got, want), "dX relaunch"
     assert lg.prepared_launches() == 2, "no new plans: the relaunches took the prepared ones"

@@ -175,6 +175,17 @@ def _consumer(c_desc, c_half_desc, b_half_desc, bias_ptr, a_bufs, b_bufs, c_smem
     tma.store_wait(pendings=0)
 
 
+@gluon.jit
+def ring_barriers(RING: gl.constexpr):
+    """``(ready, empty)``: one mbarrier per ring stage each, initialized for one arrival (module docstring)."""
+    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(RING):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty
+
+
 @fast_launch
 @gluon.jit
 def _linear_gemm_ws_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bias_ptr, I, J, R,
@@ -191,11 +202,7 @@ def _linear_gemm_ws_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bia
     else:
         b_bufs = gl.allocate_shared_memory(dtype, [RING, BLOCK_R, BLOCK_J], b_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, [BLOCK_I, BLOCK_J], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(RING):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(RING)
     gl.warp_specialize([
         (_consumer, (c_desc, c_half_desc, b_half_desc, bias_ptr, a_bufs, b_bufs, c_smem, ready, empty, I, J, R, B_T,
                      HAS_BIAS, TAIL_SPLIT, BLOCK_I, BLOCK_J, BLOCK_R, GROUP_I, RING, NUM_PROGRAMS, num_warps)),
