@@ -53,6 +53,7 @@ from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
 from flowlock.ops.linear import gluon as gluon_gemm
+from flowlock.ops.linear import gluon_stream
 from flowlock.ops.linear.tile_order import split_tail, tile_coords
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
@@ -545,7 +546,10 @@ def _gemm_gluon(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, bi
     if per_tile or stream_k:
         raise ValueError(f"linear: the Gluon kernel walks tiles persistently; config {cfg} asks for PER_TILE or "
                          "STREAM_K")
-    programs = tma_programs(tiles, _num_programs(c.device.index or 0), tail_split, False)
+    processors = _num_programs(c.device.index or 0)
+    if gluon_stream.applies(cfg, a, False, b, b_t, c, processors):
+        return gluon_stream.forward(a, b, c, bias, cfg, processors)
+    programs = tma_programs(tiles, processors, tail_split, False)
     return gluon_gemm.gemm(a, b, b_t, c, bias, cfg, programs, tail_split)
 
 
