@@ -26,6 +26,8 @@ the half blocks' layouts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -211,12 +213,19 @@ def _linear_gemm_ws_kernel(a_desc, b_desc, c_desc, b_half_desc, c_half_desc, bia
     ], [LOADER_WARPS], [LOADER_REGS])
 
 
+@functools.cache
+def asks(cfg: LaunchConfig, *flags: str) -> bool:
+    """Whether ``cfg`` sets every one of ``flags`` (absent: off); once per config, off the launch path."""
+    blocks = dict(cfg.blocks)
+    return all(blocks.get(flag, 0) for flag in flags)
+
+
 def applies(cfg: LaunchConfig, a: torch.Tensor, a_t: bool, b: torch.Tensor, c: torch.Tensor) -> bool:
     """Whether ``cfg`` runs this product on the Gluon kernel: it asks for it (``GLUON``), the product is a
     forward or dX (A not transposed, one reduction chain: no token units) on a CUDA device, and A, B
     and C share one 16-bit float dtype (the kernel stages C in that dtype). Every other product of such
     a config runs the Triton TMA kernel, whose bits are the same (module docstring)."""
-    return (bool(dict(cfg.blocks).get("GLUON", 0)) and c.is_cuda and not a_t and cfg["UNIT"] == 0
+    return (asks(cfg, "GLUON") and c.is_cuda and not a_t and cfg["UNIT"] == 0
             and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype == c.dtype)
 
 
@@ -224,6 +233,15 @@ def shared_bytes(cfg: LaunchConfig, element_size: int = 2) -> int:
     """Shared memory of one program under ``cfg``: the ring of A and B blocks and one C tile."""
     bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
     return element_size * (cfg["RING"] * (bi + bj) * br + bi * bj)
+
+
+@functools.cache
+def check_fits(cfg: LaunchConfig, element_size: int) -> None:
+    """Raise unless ``cfg``'s ring and tile fit in an sm90 program's shared memory (a config that fits is
+    remembered, so launches do not recount it)."""
+    if shared_bytes(cfg, element_size) > SHARED_BYTES:
+        raise ValueError(f"linear Gluon config {cfg} needs {shared_bytes(cfg, element_size)} bytes of shared "
+                         f"memory per program; sm90 has {SHARED_BYTES}")
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -246,19 +264,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: tor
     :func:`applies` holds. Raises before launching when the config's ring and tile do not fit in
     shared memory.
 
-    The first launch of each (config, operands' dtypes, shapes and strides, bias, grid) goes through
+    The first launch of each (config, operands' dtypes, shapes and strides, bias, device) goes through
     Gluon and keeps its prepared launch; later ones relaunch it with the new tensors (their tensor
     maps encoded once per address), as the Triton TMA kernel's launches do. The key fixes every value
     the kernel is specialized on (sizes exactly; every pointer 16-byte aligned but the bias, whose
     alignment is in the key)."""
-    if shared_bytes(cfg, a.element_size()) > SHARED_BYTES:
-        raise ValueError(f"linear Gluon config {cfg} needs {shared_bytes(cfg, a.element_size())} bytes of shared "
-                         f"memory per program; sm90 has {SHARED_BYTES}")
+    check_fits(cfg, a.element_size())
     i_dim, j_dim = c.shape
     r_dim = a.shape[1]
     bias_arg = bias if bias is not None else c
+    # programs and tail_split follow from the config, C's shape and the device, all in the key
     key = (cfg, b_t, bias is None, a.dtype, bias_arg.dtype, bias_arg.data_ptr() % 16 == 0, a.shape, a.stride(),
-           b.shape, b.stride(), c.shape, c.stride(), programs, tail_split, torch._C._cuda_getDevice())
+           b.shape, b.stride(), c.shape, c.stride(), torch._C._cuda_getDevice())
     plan = _PLANS.get(key)
     if plan is not None and not launch_hooked():
         plan(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, b, c, bias_arg, i_dim, j_dim, r_dim)

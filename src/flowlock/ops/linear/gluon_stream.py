@@ -43,11 +43,11 @@ from flowlock.config import LaunchConfig
 from flowlock.ops.linear.gluon import (
     LOADER_REGS,
     LOADER_WARPS,
-    SHARED_BYTES,
     _store_tile,
+    asks,
+    check_fits,
     descriptors,
     ring_barriers,
-    shared_bytes,
 )
 
 
@@ -199,9 +199,8 @@ def applies(cfg: LaunchConfig, a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t:
     """Whether ``cfg`` runs this product as panel stream-K: it asks for it (``GLUON`` and ``STREAM_PANELS``),
     the product is a forward (the weight stored transposed) on a CUDA device in one 16-bit float dtype,
     and :func:`groups` finds a share."""
-    blocks = dict(cfg.blocks)
-    return (bool(blocks.get("GLUON", 0)) and bool(blocks.get("STREAM_PANELS", 0)) and c.is_cuda and not a_t and b_t
-            and cfg["UNIT"] == 0 and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype == c.dtype
+    return (asks(cfg, "GLUON", "STREAM_PANELS") and c.is_cuda and not a_t and b_t and cfg["UNIT"] == 0
+            and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype == c.dtype
             and groups(c.shape[0], c.shape[1], cfg, processors) > 0)
 
 
@@ -210,9 +209,7 @@ def forward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tenso
     """``c = a @ b.T (+ bias)`` as panel stream-K; :func:`applies` holds and the operands are TMA-ready.
     The workspace (one fp32 tile per program) and the ticket and flags are fresh per launch from the
     current stream's allocator, so launches on other streams or replayed in CUDA graphs share none."""
-    if shared_bytes(cfg, a.element_size()) > SHARED_BYTES:
-        raise ValueError(f"linear Gluon config {cfg} needs {shared_bytes(cfg, a.element_size())} bytes of shared "
-                         f"memory per program; sm90 has {SHARED_BYTES}")
+    check_fits(cfg, a.element_size())
     count = groups(c.shape[0], c.shape[1], cfg, processors)
     programs = count * (-(-c.shape[0] // cfg["BLOCK_I"]))
     chain = torch.empty((programs, cfg["BLOCK_I"], cfg["BLOCK_J"]), dtype=torch.float32, device=c.device)
