@@ -33,7 +33,7 @@ def main() -> None:
     consts = dict(HAS_BIAS=True, BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"], BLOCK_R=cfg["BLOCK_R"],
                   RING=cfg["RING"], LOADER_WARPS=gs.LOADER_WARPS, LOADER_REGS=gs.LOADER_REGS, num_warps=cfg.num_warps)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    compiled = triton.compile(gluon._runtime.GluonASTSource(gs._linear_fwd_stream_kernel, sig, consts, {}),
+    compiled = triton.compile(gluon._runtime.GluonASTSource(gs._linear_fwd_stream_kernel.kernel, sig, consts, {}),
                               target=GPUTarget("cuda", 90, 128), options={"num_warps": cfg.num_warps})
     ptx = compiled.asm["ptx"]
     ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

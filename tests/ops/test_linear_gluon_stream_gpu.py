@@ -1,8 +1,9 @@
 """The panel stream-K candidate (flowlock.ops.linear.gluon_stream: the forward config with ``GLUON`` and
 ``STREAM_PANELS``) gives the bits of the walk on a Hopper GPU: at the shapes and token counts where it
-shares panels (q at M = 925, 897, 1024 and 600; out and fc2 at 925), with and without bias, on a
-repeat, and while a GEMM on another stream holds SMs when its programs start (they get SMs as those
-tiles finish; the ticket orders them, so no tail waits for a head whose program has not started).
+shares panels (out at M = 925, 897 and 1024, fc2 at 925, q at 600), with and without bias, on a
+repeat through the prepared launch with new tensors, and while a GEMM on another stream holds SMs
+when its programs start (they get SMs as those tiles finish; the ticket orders them, so no tail
+waits for a head whose program has not started).
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_linear_gluon_stream_gpu.py
 """
@@ -21,8 +22,8 @@ pytestmark = [
 ]
 
 BF16 = torch.bfloat16
-CASES = [("q", (7168, 5376), 925), ("q", (7168, 5376), 897), ("q", (7168, 5376), 1024), ("q", (7168, 5376), 600),
-         ("out", (5376, 7168), 925), ("fc2", (5376, 14336), 925)]
+CASES = [("out", (5376, 7168), 925), ("out", (5376, 7168), 897), ("out", (5376, 7168), 1024),
+         ("fc2", (5376, 14336), 925), ("q", (7168, 5376), 600)]
 
 
 def _operands(m, n, k, seed):
@@ -46,12 +47,15 @@ def test_panel_stream_keeps_the_walks_bits(name, shape, m):
         want = lt.linear_fwd(x, w, b, BF16, config=walk)
         got = lt.linear_fwd(x, w, b, BF16, config=stream)
         assert bitwise_equal(got, want), f"{name} M={m} bias={b is not None}"
-        assert bitwise_equal(lt.linear_fwd(x, w, b, BF16, config=stream), got), f"{name} M={m} repeat"
+        plans = gluon_stream.prepared_launches()
+        again = lt.linear_fwd(x.clone(), w.clone(), None if b is None else b.clone(), BF16, config=stream)
+        assert gluon_stream.prepared_launches() == plans, "the repeat takes the prepared launch"
+        assert bitwise_equal(again, got), f"{name} M={m} repeat"
         assert bitwise_equal(want, lt.linear_fwd(x, w, b, BF16, config=walk.with_blocks(GLUON=0))), "Triton walk"
 
 
 def test_panel_stream_repeats_beside_other_work():
-    n, k = 7168, 5376
+    n, k = 5376, 7168
     x, w, bias = _operands(925, n, k, seed=3)
     walk = lt.lookup("linear_fwd", w, x, w)
     want = lt.linear_fwd(x, w, bias, BF16, config=walk)

@@ -2,8 +2,8 @@
 
 Measured on the H200 at M = 925 (queued, against the frozen walk, same bits): out 0.895, fc2 0.834 (168
 tiles), q 1.025 (224 tiles), fc1 not shared (``benchmarks/results/linear_gluon_stream_h200_ee31d67.json``).
-Its launch builds descriptors and a workspace on every call (no prepared launch yet), so a single call
-with its host time counted is 1.7-1.8x the walk's: only a captured CUDA graph hides that.
+Relaunches are prepared (as the walk's); the fp32 workspace and the zeroed flags are still made per
+call, one fill launch more than the walk.
 
 At M <= BLOCK_I * GROUP_I (one group of row tiles: M = 925 is 8 row tiles) the forward's tiles are
 ``n_j`` column panels of ``n_i`` row tiles, and a walk of whole tiles leaves SMs idle for most of its
@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flowlock.config import LaunchConfig
+from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 from flowlock.ops.linear.gluon import (
     LOADER_REGS,
     LOADER_WARPS,
@@ -49,6 +50,10 @@ from flowlock.ops.linear.gluon import (
     descriptors,
     ring_barriers,
 )
+
+# Prepared launches, as the walk's (flowlock.ops.linear.gluon): one per layer shape and token count in use.
+_MAX_PLANS = 64
+_PLANS: dict[tuple, DescriptorLaunch] = {}
 
 
 @gluon.jit
@@ -159,6 +164,7 @@ def _stream_consumer(c_desc, bias_ptr, chain_ptr, flags, a_bufs, b_bufs, c_smem,
     tma.store_wait(pendings=0)
 
 
+@fast_launch
 @gluon.jit
 def _linear_fwd_stream_kernel(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, flags, I, J, R, groups,
                               HAS_BIAS: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
@@ -182,14 +188,15 @@ def _linear_fwd_stream_kernel(a_desc, b_desc, c_desc, bias_ptr, chain_ptr, flags
 
 
 def groups(rows: int, cols: int, cfg: LaunchConfig, processors: int) -> int:
-    """How many groups a forward of ``rows x cols`` outputs shares its panels among, or 0 where the
-    candidate does not apply: more than one group of row tiles, fewer panels than groups, or tiles
-    that are not more than one round of the groups' programs and at most two (the walk is as good
-    outside that). Decided from tile counts, like the walk's grid; the bits are the walk's either way."""
+    """How many groups a forward of ``rows x cols`` outputs shares its panels among, or 0 where the walk
+    runs instead: more than one group of row tiles, fewer panels than groups, or tiles that are not
+    more than one round of the groups' programs and at most one and a half (out / fc2 at M = 925,
+    0.895 / 0.834 of the walk; q's 1.75 rounds ran 1.025, the hand-offs costing what the shorter round
+    saved). Decided from tile counts, like the walk's grid; the bits are the walk's either way."""
     n_i = -(-rows // cfg["BLOCK_I"])
     n_j = -(-cols // cfg["BLOCK_J"])
     count = processors // n_i
-    if n_i > cfg["GROUP_I"] or n_j < count or not count * n_i < n_i * n_j <= 2 * count * n_i:
+    if n_i > cfg["GROUP_I"] or not count < n_j or 2 * n_j > 3 * count:
         return 0
     return count
 
@@ -208,16 +215,38 @@ def forward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tenso
             processors: int) -> torch.Tensor:
     """``c = a @ b.T (+ bias)`` as panel stream-K; :func:`applies` holds and the operands are TMA-ready.
     The workspace (one fp32 tile per program) and the ticket and flags are fresh per launch from the
-    current stream's allocator, so launches on other streams or replayed in CUDA graphs share none."""
+    current stream's allocator, so launches on other streams or replayed in CUDA graphs share none.
+
+    The first launch of each (config, dtype, shapes and strides, bias, device) goes through Gluon and
+    keeps its prepared launch; later ones relaunch it with the new tensors, as
+    :func:`flowlock.ops.linear.gluon.gemm` does (the key fixes every value the kernel is specialized
+    on; the group count and grid follow from the config, C's shape and the device)."""
     check_fits(cfg, a.element_size())
     count = groups(c.shape[0], c.shape[1], cfg, processors)
     programs = count * (-(-c.shape[0] // cfg["BLOCK_I"]))
     chain = torch.empty((programs, cfg["BLOCK_I"], cfg["BLOCK_J"]), dtype=torch.float32, device=c.device)
     flags = torch.zeros(1 + programs, dtype=torch.int32, device=c.device)
+    bias_arg = bias if bias is not None else c
+    key = (cfg, bias is None, a.dtype, bias_arg.dtype, bias_arg.data_ptr() % 16 == 0, a.shape, a.stride(), b.shape,
+           b.stride(), c.shape, c.stride(), torch._C._cuda_getDevice())
+    plan = _PLANS.get(key)
+    if plan is not None and not launch_hooked():
+        plan(programs, torch._C._cuda_getCurrentRawStream(key[-1]), a, b, c, bias_arg, chain, flags, c.shape[0],
+             c.shape[1], a.shape[1], count)
+        return c
     a_desc, b_desc, c_desc = descriptors(a, b, True, c, cfg)[:3]
-    _linear_fwd_stream_kernel[(programs,)](
-        a_desc, b_desc, c_desc, bias if bias is not None else c, chain, flags, c.shape[0], c.shape[1], a.shape[1],
-        count, HAS_BIAS=bias is not None, BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"], BLOCK_R=cfg["BLOCK_R"],
-        RING=cfg["RING"], LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
-        num_warps=cfg.num_warps)
+    args = (a_desc, b_desc, c_desc, bias_arg, chain, flags, c.shape[0], c.shape[1], a.shape[1], count)
+    kwargs = dict(HAS_BIAS=bias is not None, BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"], BLOCK_R=cfg["BLOCK_R"],
+                  RING=cfg["RING"], LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=cfg.num_warps)
+    _linear_fwd_stream_kernel[(programs,)](*args, **kwargs)
+    prepared = _linear_fwd_stream_kernel.prepared(*args, **kwargs)
+    if isinstance(prepared, DescriptorLaunch):
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = prepared
     return c
+
+
+def prepared_launches() -> int:
+    """How many prepared launches are kept (a GPU test checks relaunches take them)."""
+    return len(_PLANS)
