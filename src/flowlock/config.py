@@ -211,11 +211,15 @@ _LINEAR_SM90 = "H200 sweep, run 2: best worst-case ratio to cuBLAS over M"
 # 256-wide tiles for every H3 shape and M in {925, 4253, 16384}, and 0.91-0.93 for the N = 5376 forwards
 # (out, fc2) at M = 4253 / 16384, which the Triton kernel ran 128 wide (1.03-1.05 at M = 925; H200,
 # benchmarks/results/linear_gluon_h200_12e8f8f_{frozen_tile,wide}.json). dW keeps the Triton kernel (token units).
+# STREAM_PANELS: the forward at one row group of 1-1.5 rounds of tiles (out / fc2 at M = 925) shares its column
+# panels' steps among groups of programs (flowlock.ops.linear.gluon_stream; the walk's bits): 0.895 / 0.825 of
+# the walk queued, 1.04 / 0.91 with host time (benchmarks/results/linear_gluon_stream_h200_73c17e3.json).
 # fp16 takes the bf16 tiles untimed: the same operand bytes and tensor-core rate, the same fp32 accumulator
 for _dt in ("bf16", "fp16"):
     _note = _LINEAR_SM90 if _dt == "bf16" else "bf16 tiles, untimed for fp16"
     register("linear_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
-                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, GLUON=1, RING=3, note=_note))
+                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, GLUON=1, RING=3, STREAM_PANELS=1,
+                                             note=_note))
     register("linear_dx", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=0, TMA=1,
                                             EPI_SPLIT=1, FLATTEN=1, TAIL_SPLIT=1, GLUON=1, RING=3, note=_note))
     register("linear_dw", _dt, "sm90", _cfg(8, 3, BLOCK_I=128, BLOCK_J=256, BLOCK_R=64, GROUP_I=8, UNIT=1024, TMA=1,
