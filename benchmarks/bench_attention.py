@@ -195,37 +195,6 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
     return rows
 
 
-def gluon_forward_seq(seq, heads, dim, iters, warmup) -> dict:
-    """At one S (B = 1): the Gluon forward candidate (flowlock.ops.attention.gluon_fwd) against the frozen
-    Triton forward (same out and lse2 bits, checked) and against cuDNN's forward, queued."""
-    from flowlock.ops.attention import gluon_fwd
-    from flowlock.ops.attention import triton as at
-    from flowlock.testing import bitwise_equal
-
-    q, k, v, _ = inputs(1, seq, heads, dim, seed=seq, grad=False)
-    scale = dim ** -0.5
-    pairs = zip(gluon_fwd.attention_fwd_ws(q, k, v, scale), at.attention_fwd(q, k, v, scale))
-    row = {"seq": seq, "same_bits": all(bitwise_equal(a, b) for a, b in pairs)}
-    ws = lambda _: gluon_fwd.attention_fwd_ws(q, k, v, scale)
-    r = harness.time_pair(ws, lambda _: at.attention_fwd(q, k, v, scale), device=q.device, iters=iters, warmup=warmup,
-                          queued=True)
-    row.update(gluon_ms=r["a"]["median_ms"], triton_ms=r["b"]["median_ms"], gluon_over_triton=r["ratio_a_over_b"])
-    r = harness.time_pair(ws, lambda _: sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v), device=q.device, iters=iters,
-                          warmup=warmup, queued=True)
-    row.update(cudnn_ms=r["b"]["median_ms"], gluon_share_of_cudnn=r["b"]["median_ms"] / r["a"]["median_ms"],
-               triton_share_of_cudnn=r["b"]["median_ms"] / row["triton_ms"])
-    print("gluon_fwd", json.dumps(row), flush=True)
-    return row
-
-
-def gluon_forward(seqs, heads, dim, iters, warmup) -> list[dict]:
-    rows = []
-    for seq in seqs:
-        rows.append(gluon_forward_seq(seq, heads, dim, iters, warmup))
-        torch.cuda.empty_cache()
-    return rows
-
-
 # Sweep candidates (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DP_FIRST[, FUSED_DQ]), most informative first:
 # the frozen tiles, then the dK/dV kernel adding dQ in turn (FUSED_DQ, no dQ kernel; 64 x 64 tiles keep
 # its registers below a spill, 64 x 128 spill about 1 KB at two stages, measured offline), then dK/dV with
@@ -471,7 +440,7 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
     return rows
 
 
-SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "gluon_fwd")
+SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings")
 
 
 def main() -> None:
@@ -490,7 +459,7 @@ def main() -> None:
     parser.add_argument("--sweep-kernels", default=",".join(SWEEP_CANDIDATES),
                         help=f"comma-separated subset of {tuple(SWEEP_CANDIDATES)} to sweep")
     parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
-    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in ("sweep", "gluon_fwd")),
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "sweep"),
                         help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
     parser.add_argument("--compile-check", action="store_true",
                         help="only compile the sweep candidates for sm90 offline (no GPU) and report their resources")
@@ -555,7 +524,6 @@ def main() -> None:
         "host": lambda: [host_overhead(attention, s, args.heads, args.dim) for s in (4096,)],
         "sweep": run_sweep,
         "timings": lambda: timings(attention, seqs, args.heads, args.dim, args.iters, args.warmup),
-        "gluon_fwd": lambda: gluon_forward(seqs, args.heads, args.dim, args.iters, args.warmup),
     }
     for name in SECTIONS:
         if name not in wanted:

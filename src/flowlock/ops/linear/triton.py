@@ -53,7 +53,7 @@ from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
 from flowlock.ops.linear import gluon as gluon_gemm
-from flowlock.ops.linear import gluon_dw, gluon_stream
+from flowlock.ops.linear import gluon_stream
 from flowlock.ops.linear.tile_order import split_tail, tile_coords
 
 # Programs of the persistent TMA kernel under the interpreter: small, so the persistent loop really
@@ -460,8 +460,6 @@ def _gemm(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.Tenso
     if cfg["TMA"]:
         if gluon_gemm.applies(cfg, a, a_t, b, c) and not interpreter_active():
             return _gemm_gluon(_tma_ready(a), _tma_ready(b), b_t, c, bias, cfg)
-        if gluon_dw.applies(cfg, a, a_t, b, b_t, c) and not interpreter_active():
-            return _gemm_gluon_dw(_tma_ready(a), _tma_ready(b), c, cfg)
         return _gemm_tma(_tma_ready(a), a_t, _tma_ready(b), b_t, c, bias, cfg)
     i_dim, j_dim = c.shape
     r_dim = a.shape[0] if a_t else a.shape[1]
@@ -553,18 +551,6 @@ def _gemm_gluon(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, bi
         return gluon_stream.forward(a, b, c, bias, cfg, processors)
     programs = tma_programs(tiles, processors, tail_split, False)
     return gluon_gemm.gemm(a, b, b_t, c, bias, cfg, programs, tail_split)
-
-
-def _gemm_gluon_dw(dy: torch.Tensor, x2d: torch.Tensor, c: torch.Tensor, cfg: LaunchConfig) -> torch.Tensor:
-    """:func:`_gemm`'s dW on the warp-specialized Gluon kernel (:mod:`flowlock.ops.linear.gluon_dw`): the
-    persistent walk over whole tiles (the split tail's half tiles are the Triton kernel's), or one
-    program per tile with PER_TILE; the same bits either way."""
-    tiles = (-(-c.shape[0] // cfg["BLOCK_I"])) * (-(-c.shape[1] // cfg["BLOCK_J"]))
-    epi_split, flatten, flat_units, tail_split, per_tile, stream_k = _tma_flags(cfg)
-    if stream_k:
-        raise ValueError(f"linear: the Gluon dW kernel has no stream-K; config {cfg} asks for it")
-    programs = tma_programs(tiles, _num_programs(c.device.index or 0), False, per_tile)
-    return gluon_dw.gemm_dw(dy, x2d, c, cfg, programs)
 
 
 def linear_fwd(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
