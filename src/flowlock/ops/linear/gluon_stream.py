@@ -1,9 +1,12 @@
-"""Panel stream-K for ``linear``'s forward at small M, in Gluon: a sweep candidate, in no frozen config.
+"""Panel stream-K for ``linear``'s forward at small M, in Gluon: frozen in the sm90 bf16 / fp16 forward.
 
-Measured on the H200 at M = 925 (queued, against the frozen walk, same bits): out 0.895, fc2 0.834 (168
-tiles), q 1.025 (224 tiles), fc1 not shared (``benchmarks/results/linear_gluon_stream_h200_ee31d67.json``).
-Relaunches are prepared (as the walk's); the fp32 workspace and the zeroed flags are still made per
-call, one fill launch more than the walk.
+``STREAM_PANELS=1`` in the frozen config turns it on where the walk's last round is mostly idle and
+sharing saves it: one row group of tiles holding more than one round of the groups' programs and at
+most 1.5 rounds (out and fc2 at M = 925: 168 tiles), decided from tile counts; everywhere else the
+forward walks. Measured on the H200 at M = 925 (same bits as the walk; queued / with host time):
+out 0.895 / 1.042, fc2 0.825 / 0.907 of the walk (``linear_gluon_stream_h200_73c17e3.json``); q's 224
+tiles (1.75 rounds) ran 1.025 of the walk and stay on it. Relaunches are prepared (as the walk's); the
+fp32 workspace and the zeroed flags are still made per call, one fill launch more than the walk.
 
 At M <= BLOCK_I * GROUP_I (one group of row tiles: M = 925 is 8 row tiles) the forward's tiles are
 ``n_j`` column panels of ``n_i`` row tiles, and a walk of whole tiles leaves SMs idle for most of its
@@ -13,7 +16,7 @@ fc2 168 (a split tail: about 1.55). Here ``SMs // n_i`` groups of ``n_i`` progra
 range, and its program r computes row tile r of every panel step in it, so the ``n_i`` programs of a
 group read each weight block together, as the walk's grouped order has them do (the Triton kernel's
 stream-K, whose programs cut tiles at different steps, streamed the weight from DRAM several times
-and ran 224 tiles 1.15x slower than the walk). About 1.75 rounds' time for 224 tiles, 1.31 for 168.
+and ran 224 tiles 1.15x slower than the walk).
 
 Bits: a panel cut between groups g - 1 and g stays one accumulation chain per element. Group g - 1's
 program r runs the panel's first steps from zero (its *head*) before anything else and publishes the
