@@ -27,6 +27,7 @@ import torch
 
 import flowlock
 from flowlock.ops.linear import gluon as lg
+from flowlock.ops.linear import gluon_stream as gs
 from flowlock.ops.linear import triton as lt
 
 SHAPES = {"qkv": (21504, 5376), "out": (5376, 7168), "fc1": (28672, 5376), "fc2": (5376, 14336)}
@@ -35,20 +36,22 @@ BF16 = torch.bfloat16
 
 
 class _TritonOnly:
-    """Inside: every GEMM launch takes its compiler's own path (Triton's, or Gluon's for the kernel the
-    forward and dX run on sm90): empty plan tables, and the kernels prepare nothing, so no plan is
-    built either; the launchers' own tables and kernels come back after."""
+    """Inside: every GEMM launch takes its compiler's own path (Triton's, or Gluon's for the kernels the
+    forward and dX run on sm90, panel stream-K's included): empty plan tables, and the kernels prepare
+    nothing, so no plan is built either; the launchers' own tables and kernels come back after."""
+
+    KERNELS = (lt._linear_gemm_tma_kernel, lg._linear_gemm_ws_kernel, gs._linear_fwd_stream_kernel)
 
     def __enter__(self):
-        self.tables = lt._TMA_PLANS, lg._PLANS
-        lt._TMA_PLANS, lg._PLANS = {}, {}
-        for kernel in (lt._linear_gemm_tma_kernel, lg._linear_gemm_ws_kernel):
+        self.tables = lt._TMA_PLANS, lg._PLANS, gs._PLANS
+        lt._TMA_PLANS, lg._PLANS, gs._PLANS = {}, {}, {}
+        for kernel in self.KERNELS:
             kernel.prepared = lambda *args, **kwargs: None
 
     def __exit__(self, *exc):
-        for kernel in (lt._linear_gemm_tma_kernel, lg._linear_gemm_ws_kernel):
+        for kernel in self.KERNELS:
             del kernel.prepared
-        lt._TMA_PLANS, lg._PLANS = self.tables
+        lt._TMA_PLANS, lg._PLANS, gs._PLANS = self.tables
 
 
 def _extra(parser):

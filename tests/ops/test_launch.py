@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flowlock.ops._launch import FastLaunch, fast_launch
+from flowlock.ops._launch import FastLaunch, PlanTable, fast_launch
 
 
 @triton.jit
@@ -27,6 +27,16 @@ def _run(kernel, x, scale=2.0, block=64):
 def test_fast_launch_rejects_non_kernels():
     with pytest.raises(TypeError, match="triton.jit"):
         fast_launch(lambda x: x)
+
+
+def test_plan_table_keeps_up_to_its_limit_then_starts_afresh():
+    plans = PlanTable(2)
+    plans.keep(("a",), 1)
+    plans.keep(("a",), 2)
+    plans.keep(("b",), 3)
+    assert plans == {("a",): 2, ("b",): 3}
+    plans.keep(("c",), 4)
+    assert plans == {("c",): 4}, "a full table starts afresh"
 
 
 def test_fast_launch_matches_the_plain_launch_under_the_interpreter():

@@ -131,6 +131,23 @@ class FastLaunch:
         return DescriptorLaunch.of(compiled, head, descriptors, tail)
 
 
+class PlanTable(dict):
+    """An op's prepared launches by key, at most ``limit`` of them. A full table starts afresh rather
+    than evicting one by one: keys are the layer shapes, products and token counts of a run, few
+    against the limit, so a table that fills is one whose shapes churn, and a dropped plan costs only
+    one launch through the compiler's own path."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key: tuple, plan: object) -> None:
+        """Keep ``plan`` under ``key``, first clearing the table where it is full."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+
+
 class PreparedLaunch:
     """One compiled specialization's launch: ``prepared(grid_x, stream, *args)`` launches a 1-D grid on
     ``stream`` (a raw CUDA stream handle) with new positional arguments and the constexpr values it

@@ -41,15 +41,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flowlock.config import LaunchConfig
-from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
+from flowlock.ops._launch import DescriptorLaunch, PlanTable, fast_launch, launch_hooked
 from flowlock.ops.linear.tile_order import split_tail, tile_coords
 
 # The producer partition: one warp, few registers (it computes tile coordinates and issues TMA).
 LOADER_WARPS, LOADER_REGS = 1, 40
-# Prepared launches (see gemm), past which the table starts afresh: one per layer shape, product and
-# token count in use.
-_MAX_PLANS = 1024
-_PLANS: dict[tuple, DescriptorLaunch] = {}
+# Prepared launches (see gemm): one per layer shape, product and token count in use.
+_PLANS = PlanTable(1024)
 # Shared memory one program may use on sm90 (227 KiB), less what the barriers and alignment take.
 SHARED_BYTES = 227 * 1024 - 1024
 
@@ -288,9 +286,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, b_t: bool, c: torch.Tensor, bias: tor
     _linear_gemm_ws_kernel[(programs,)](*args, **kwargs)
     prepared = _linear_gemm_ws_kernel.prepared(*args, **kwargs)
     if isinstance(prepared, DescriptorLaunch):
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = prepared
+        _PLANS.keep(key, prepared)
     return c
 
 

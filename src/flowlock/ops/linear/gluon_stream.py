@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flowlock.config import LaunchConfig
-from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
+from flowlock.ops._launch import DescriptorLaunch, PlanTable, fast_launch, launch_hooked
 from flowlock.ops.linear.gluon import (
     LOADER_REGS,
     LOADER_WARPS,
@@ -55,8 +55,7 @@ from flowlock.ops.linear.gluon import (
 )
 
 # Prepared launches, as the walk's (flowlock.ops.linear.gluon): one per layer shape and token count in use.
-_MAX_PLANS = 64
-_PLANS: dict[tuple, DescriptorLaunch] = {}
+_PLANS = PlanTable(64)
 
 
 @gluon.jit
@@ -244,9 +243,7 @@ def forward(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tenso
     _linear_fwd_stream_kernel[(programs,)](*args, **kwargs)
     prepared = _linear_fwd_stream_kernel.prepared(*args, **kwargs)
     if isinstance(prepared, DescriptorLaunch):
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = prepared
+        _PLANS.keep(key, prepared)
     return c
 
 

@@ -49,7 +49,7 @@ from flowlock.config import LaunchConfig, config_for
 from flowlock.dispatch import interpreter_active
 from flowlock.ops._dot import add_compensated, dot_f32
 from flowlock.ops._kernel_op import kernel_op
-from flowlock.ops._launch import DescriptorLaunch, fast_launch, launch_hooked
+from flowlock.ops._launch import DescriptorLaunch, PlanTable, fast_launch, launch_hooked
 from flowlock.ops._triton_utils import traced
 from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
 from flowlock.ops.linear import gluon as gluon_gemm
@@ -60,10 +60,8 @@ from flowlock.ops.linear.tile_order import split_tail, tile_coords
 # walks several tiles per program in CPU tests.
 _INTERP_PROGRAMS = 3
 
-# Prepared TMA GEMM launches (see _gemm_tma), past which the table starts afresh: one per linear
-# layer shape, product and token count in use.
-_MAX_TMA_PLANS = 1024
-_TMA_PLANS: dict[tuple, tuple[DescriptorLaunch, int]] = {}
+# Prepared TMA GEMM launches (see _gemm_tma): one per linear layer shape, product and token count in use.
+_TMA_PLANS = PlanTable(1024)
 
 
 @triton.jit
@@ -531,9 +529,7 @@ def _gemm_tma(a: torch.Tensor, a_t: bool, b: torch.Tensor, b_t: bool, c: torch.T
     if key is not None:
         prepared = _linear_gemm_tma_kernel.prepared(*args, **kwargs)
         if isinstance(prepared, DescriptorLaunch):
-            if len(_TMA_PLANS) >= _MAX_TMA_PLANS:
-                _TMA_PLANS.clear()
-            _TMA_PLANS[key] = (prepared, programs, stream_k)
+            _TMA_PLANS.keep(key, (prepared, programs, stream_k))
     return c
 
 
