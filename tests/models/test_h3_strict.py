@@ -122,9 +122,44 @@ def test_gradient_checkpointing_gives_the_same_bits():
             out_ckpt, grads_ckpt = forward_backward(model, inputs, input_grad=True)
     # Recomputation runs the blocks again: more op calls than a plain forward has.
     assert sum(op == "attention" for op, _ in frame.ran) > 3
+    # ... except the AdaLN projection: each block's forward keeps its table for its recomputation.
+    blocks = len(model.transformer_blocks)
+    assert [sum(op == name for op, _ in frame.ran) for name in ("adaln_table", "adaln_table_kept")] == [blocks, blocks]
     assert_bitwise_equal(out_ckpt, out_plain, "outputs")
     assert grads_ckpt.keys() == grads_plain.keys()
     assert_bitwise_equal(list(grads_ckpt.values()), list(grads_plain.values()), "gradients")
+
+
+def test_reentrant_checkpointing_and_a_second_backward_give_the_same_bits():
+    """A user's reentrant checkpoint function (the forward runs without grad, the recomputation with)
+    and a retained graph's second backward (the kept tables are handed over once, then recomputed)."""
+    inputs = tiny_inputs(1, seed=7)
+    model = tiny_h3()
+    with flowlock.patch(model):
+        out_plain, grads_plain = forward_backward(model, inputs, input_grad=True)
+        model.enable_gradient_checkpointing(
+            lambda block, *args: torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=True))
+        with flowlock.mode("strict") as reentrant:
+            out_ckpt, grads_ckpt = forward_backward(model, inputs, input_grad=True)
+        assert [op for op, _ in reentrant.ran if op.startswith("adaln_table")] == (
+            ["adaln_table"] * len(model.transformer_blocks) + ["adaln_table_kept"] * len(model.transformer_blocks))
+        assert_bitwise_equal(out_ckpt, out_plain, "reentrant outputs")
+        assert_bitwise_equal([grads_ckpt[k] for k in grads_plain], list(grads_plain.values()), "reentrant gradients")
+
+        model.enable_gradient_checkpointing()
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        cotangents = [torch.ones_like(out.sample), torch.ones_like(out.audio_sample)]
+        torch.autograd.backward([out.sample, out.audio_sample], cotangents, retain_graph=True)
+        first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        with flowlock.mode("strict") as frame:
+            torch.autograd.backward([out.sample, out.audio_sample], cotangents)
+        second = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    blocks = len(model.transformer_blocks)
+    assert [op for op, _ in frame.ran if op.startswith("adaln_table")] == ["adaln_table"] * blocks
+    assert second.keys() == first.keys()
+    assert_bitwise_equal(list(second.values()), list(first.values()), "second backward")
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ from flowlock.models.minimax_h3.structure import module_class, validate_structur
 from flowlock.modes import StrictModeError, fallback_or_raise
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._validate import memoized_over
-from flowlock.ops.adaln import adaln_table
+from flowlock.ops.adaln import adaln_table, adaln_table_kept
 from flowlock.ops.attention import attention
 from flowlock.ops.final_adaln import final_adaln_out
 from flowlock.ops.gate_residual import gate_residual
@@ -369,19 +369,33 @@ def _call_linear(run: Run, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return call_with_run(run, module, x) if _is_strict(module) else run.linear(module, x)
 
 
-def call_with_run(run: Run, module: nn.Module, *args):
+class KeptTable:
+    """The AdaLN table of one gradient-checkpointed block call, kept from its forward (``(3T, 6H)``
+    fp32, 387 KB a block at H3's widths and T = 1) and handed once to its recomputation, which then
+    does not stream the block's ``18H x E`` projection weight again (520 MB). The values are the same
+    bits a recomputation would produce, and the node they go into has :func:`adaln_table`'s backward
+    (:func:`flowlock.ops.adaln.adaln_table_kept`), so outputs and gradients do not change."""
+
+    __slots__ = ("table",)
+
+    def __init__(self):
+        self.table: torch.Tensor | None = None
+
+
+def call_with_run(run: Run, module: nn.Module, *args, kept: KeptTable | None = None):
     """Call the patched ``module`` through ``__call__``, so its hooks run (FSDP2 unshards a unit's
     parameters there: blocks, and the FP32 modules that must be units of their own because FSDP2
-    wants one dtype per unit), with ``run`` as the active decisions."""
+    wants one dtype per unit), with ``run`` as the active decisions and ``kept`` as the call's
+    AdaLN table slot (a checkpointed block's; None otherwise)."""
     if not _is_strict(module):
         raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: call the strict forward through "
                            "flowlock.patch(model), which routes the blocks and other submodules too")
-    previous = active_run()
-    _ACTIVE.run = run
+    previous, previous_kept = active_run(), getattr(_ACTIVE, "kept", None)
+    _ACTIVE.run, _ACTIVE.kept = run, kept
     try:
         return module(*args)
     finally:
-        _ACTIVE.run = previous
+        _ACTIVE.run, _ACTIVE.kept = previous, previous_kept
 
 
 def refiner_block_forward(run: Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -395,8 +409,7 @@ def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tenso
                   rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``MiniMaxH3TransformerBlock.forward`` on flowlock ops: x (B, S, hidden) bf16, temb (T, E) fp32,
     adaln_indices (S,) in [0, 3T), rotary_emb (cos, sin) (S, R) fp32 -> (B, S, hidden) bf16."""
-    proj = block.adaln_proj.linear
-    table = adaln_table(temb, compute_param(proj, "weight"), compute_param(proj, "bias"))
+    table = _block_table(block.adaln_proj.linear, temb)
     hidden = x.shape[-1]
     chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
     normed = _modulate(run, block.norm1, x, chunk[SHIFT_MSA], chunk[SCALE_MSA], adaln_indices)
@@ -405,6 +418,22 @@ def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tenso
     normed = _modulate(run, block.norm2, x, chunk[SHIFT_MLP], chunk[SCALE_MLP], adaln_indices)
     ff_out = run.feed_forward(block.ff, normed, sharded_rows=True)
     return _gate_residual(run, x, chunk[GATE_MLP], ff_out, adaln_indices)
+
+
+def _block_table(proj: nn.Module, temb: torch.Tensor) -> torch.Tensor:
+    # A checkpointed call's forward keeps its table for the recomputation (KeptTable); a compiled
+    # block recomputes it, since its graph would otherwise specialize on the slot's state.
+    weight, bias = compute_param(proj, "weight"), compute_param(proj, "bias")
+    kept = None if torch.compiler.is_compiling() else getattr(_ACTIVE, "kept", None)
+    if kept is None:
+        return adaln_table(temb, weight, bias)
+    if kept.table is None:
+        table = adaln_table(temb, weight, bias)
+        kept.table = table.detach()
+        return table
+    # Handed over once: a second recomputation (a retained graph's second backward) computes it again.
+    table, kept.table = kept.table, None
+    return adaln_table_kept(table, temb, weight, bias)
 
 
 def _gate_residual(run: Run, x, gate, y, index):
@@ -440,11 +469,10 @@ def _modulate(run: Run, norm: nn.Module, x, shift, scale, index):
 
 def _call_block(owner: nn.Module, run: Run, block: nn.Module, *args):
     # As diffusers: checkpoint each block when the owner asks for it; the Run travels with the call so
-    # recomputation during backward makes the same decisions.
-    fn = functools.partial(call_with_run, run, block)
+    # recomputation during backward makes the same decisions, and so does the block's kept AdaLN table.
     if torch.is_grad_enabled() and owner.gradient_checkpointing:
-        return owner._gradient_checkpointing_func(fn, *args)
-    return fn(*args)
+        return owner._gradient_checkpointing_func(functools.partial(call_with_run, run, block, kept=KeptTable()), *args)
+    return call_with_run(run, block, *args)
 
 
 def _time_embedding(run: Run, model: nn.Module, timestep: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,13 @@ from flowlock.ops._triton_utils import traced
 from flowlock.ops._validate import FLOAT_DTYPES, check_index, check_tensor
 from flowlock.ops.adaln.opaque import adaln_modulation_reference_op, adaln_table_reference_op
 from flowlock.ops.adaln.reference import adaln_modulation_reference, adaln_table_reference
-from flowlock.ops.adaln.triton import AdalnModulationFunction, AdalnTableFunction, modulation_forward, projection
+from flowlock.ops.adaln.triton import (
+    AdalnModulationFunction,
+    AdalnTableFunction,
+    AdalnTableKeptFunction,
+    modulation_forward,
+    projection,
+)
 
 
 def check_projection(temb: object, weight: object, bias: object, outputs_per_h: int) -> tuple[int, int, int]:
@@ -68,6 +74,34 @@ def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
         return AdalnTableFunction.apply(temb, weight, bias).view(3 * t, -1)
     # No gradient can flow: the node's own forward launches, without recording it.
     return projection(temb, weight, bias)[1].view(3 * t, -1)
+
+
+def adaln_table_kept(table: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """:func:`adaln_table` of ``temb``, ``weight``, ``bias`` when its values are at hand: ``table``, a
+    detached result of that call on the same inputs (a gradient-checkpointing recomputation has the
+    forward's). Returns a view of ``table`` as the same autograd node, without streaming the weight
+    again (``18H x E``: 520 MB a block at H3's widths).
+
+    Args:
+        table: ``(3T, 6H)`` float32, contiguous.
+        temb, weight, bias: as :func:`adaln_table`.
+
+    Guarantees: the gradients are :func:`adaln_table`'s, bit for bit (same saved tensors, same
+    backward launches). ``table`` itself is trusted to be that call's result: only its shape, dtype
+    and device are checked. The reference backend and traced (compiled) calls compute the table
+    again instead: the float64 spec has nothing to save, and compiled graphs keep the node they
+    traced.
+    """
+    t, _, h = check_projection(temb, weight, bias, 18)
+    check_tensor("table", table, dtypes=(torch.float32,), shape=(3 * t, 6 * h), device=temb.device)
+    _check_contiguous("table", table)
+    if traced():
+        return adaln_table(temb, weight, bias)
+    if backend_for("adaln_table_kept", temb) == "reference":
+        return adaln_table_reference(temb, weight, bias)
+    if needs_graph(temb, weight, bias):
+        return AdalnTableKeptFunction.apply(table.view(t, -1), temb, weight, bias).view(3 * t, -1)
+    return table
 
 
 def adaln_modulation(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

@@ -386,6 +386,24 @@ class AdalnTableFunction(torch.autograd.Function):
         return projection_vjp(grad.contiguous(), temb, act, weight, need[0], need[1] or need[2])
 
 
+class AdalnTableKeptFunction(torch.autograd.Function):
+    """:class:`AdalnTableFunction`'s node with its forward values given: table (T, N) fp32, that node's
+    output on the same temb (T, E), weight (N, E) and bias (N,) -> a view of ``table``, no projection
+    launch. It saves what that node saves and runs the same backward on it, so every gradient is that
+    node's, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, table, temb, weight, bias):
+        ctx.save_for_backward(temb, silu_act(temb), weight)
+        return table
+
+    @staticmethod
+    def backward(ctx, grad):
+        temb, act, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        return None, *projection_vjp(grad.contiguous(), temb, act, weight, need[1], need[2] or need[3])
+
+
 class AdalnModulationFunction(torch.autograd.Function):
     """One node: projection plus per-row gather; the FP32 table gradient never leaves the node."""
 
