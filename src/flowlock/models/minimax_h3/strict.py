@@ -7,7 +7,8 @@ flowlock op whose output bits are a pure function of the sample:
   diffusers does), ``context_embedder`` as BF16 ``linear``, the token refiner, then ``scatter_rows``
   builds the packed buffer (video / audio rows cast to the text dtype, uncovered rows zero);
 * timestep: ``timestep_sinusoid`` -> ``timestep_mlp`` (FP32);
-* each block: one ``adaln_table`` (FP32-held BF16 values; the six chunks are column views),
+* each block: one ``adaln_table`` (FP32-held BF16 values; the six chunks are column views; a
+  gradient-checkpointed block's recomputation takes the table its forward kept, :class:`KeptTable`),
   ``rms_norm_modulate``, q/k/v ``linear``, ``qk_norm_rope``, ``attention``, ``linear`` to_out,
   ``gate_residual``, and the same for the SwiGLU feed-forward. q, k and v are three ``linear``
   calls, also when diffusers' ``fuse_projections()`` made ``to_qkv`` (on its three row blocks):
