@@ -7,7 +7,7 @@ importable by its path (``from flowlock.ops.linear import linear_reference``,
 ``importlib.import_module("flowlock.ops.linear")``).
 """
 
-from flowlock.ops.adaln import adaln_modulation, adaln_table
+from flowlock.ops.adaln import adaln_modulation, adaln_table, adaln_table_kept
 from flowlock.ops.attention import attention
 from flowlock.ops.euler import euler_step
 from flowlock.ops.final_adaln import final_adaln_out
@@ -21,7 +21,7 @@ from flowlock.ops.swiglu import swiglu
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
 
 __all__ = [
-    "adaln_modulation", "adaln_table", "attention", "euler_step", "final_adaln_out", "gate_residual", "gather_rows",
-    "linear", "linear_weight_grad", "qk_norm_rope", "rms_norm", "rms_norm_modulate", "scatter_rows", "segment_sum",
-    "swiglu", "timestep_mlp", "timestep_sinusoid",
+    "adaln_modulation", "adaln_table", "adaln_table_kept", "attention", "euler_step", "final_adaln_out",
+    "gate_residual", "gather_rows", "linear", "linear_weight_grad", "qk_norm_rope", "rms_norm", "rms_norm_modulate",
+    "scatter_rows", "segment_sum", "swiglu", "timestep_mlp", "timestep_sinusoid",
 ]
