@@ -87,8 +87,8 @@ def adaln_table_kept(table: torch.Tensor, temb: torch.Tensor, weight: torch.Tens
         temb, weight, bias: as :func:`adaln_table`.
 
     Guarantees: the gradients are :func:`adaln_table`'s, bit for bit (same saved tensors, same
-    backward launches). ``table`` itself is trusted to be that call's result: only its shape, dtype
-    and device are checked. The reference backend and traced (compiled) calls compute the table
+    backward launches). ``table`` itself is trusted to be that call's result: only its shape, dtype,
+    device and contiguity are checked. The reference backend and traced (compiled) calls compute the table
     again instead: the float64 spec has nothing to save, and compiled graphs keep the node they
     traced.
     """
