@@ -100,7 +100,7 @@ def adaln_table_kept(table: torch.Tensor, temb: torch.Tensor, weight: torch.Tens
     if backend_for("adaln_table_kept", temb) == "reference":
         return adaln_table_reference(temb, weight, bias)
     if needs_graph(temb, weight, bias):
-        return AdalnTableKeptFunction.apply(table.view(t, -1), temb, weight, bias).view(3 * t, -1)
+        return AdalnTableKeptFunction.apply(temb, weight, bias, table.view(t, -1)).view(3 * t, -1)
     return table
 
 

@@ -387,21 +387,20 @@ class AdalnTableFunction(torch.autograd.Function):
 
 
 class AdalnTableKeptFunction(torch.autograd.Function):
-    """:class:`AdalnTableFunction`'s node with its forward values given: table (T, N) fp32, that node's
-    output on the same temb (T, E), weight (N, E) and bias (N,) -> a view of ``table``, no projection
+    """:class:`AdalnTableFunction`'s node with its forward values given: temb (T, E), weight (N, E), bias (N,)
+    and table (T, N) fp32, that node's output on them -> a view of ``table``, no projection
     launch. It saves what that node saves and runs the same backward on it, so every gradient is that
     node's, bit for bit."""
 
     @staticmethod
-    def forward(ctx, table, temb, weight, bias):
+    def forward(ctx, temb, weight, bias, table):
         ctx.save_for_backward(temb, silu_act(temb), weight)
         return table
 
     @staticmethod
     def backward(ctx, grad):
-        temb, act, weight = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        return None, *projection_vjp(grad.contiguous(), temb, act, weight, need[1], need[2] or need[3])
+        # The inputs come in AdalnTableFunction's order, so its backward reads the same needs.
+        return *AdalnTableFunction.backward(ctx, grad), None
 
 
 class AdalnModulationFunction(torch.autograd.Function):
