@@ -195,49 +195,6 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
     return rows
 
 
-def gluon_dq_seq(seq: int, heads: int, dim: int, iters: int, warmup: int, rings: Sequence[int]) -> list[dict]:
-    """At one S (B = 1): the backward (delta, dK/dV, dQ) with dQ on the pipelined Gluon kernel
-    (``GLUON=1`` and each ring depth) against the frozen backward (its Triton dQ), same dQ / dK / dV
-    bits checked, alternating and queued; and the frozen backward's and cuDNN's, for scale."""
-    from flowlock.config import launch_config
-    from flowlock.ops.attention import triton as at
-
-    q, k, v, do = inputs(1, seq, heads, dim, seed=seq, grad=False)
-    scale = dim ** -0.5
-    out, lse2 = at.attention_fwd(q, k, v, scale)
-    frozen = launch_config("attention_bwd_dq", q.dtype, "sm90", (dim,))
-    want = at.attention_bwd(do, q, k, v, out, lse2, scale)
-    fns = {"frozen": lambda: at.attention_bwd(do, q, k, v, out, lse2, scale)}
-    same = {}
-    for ring in rings:
-        cfg = frozen.with_blocks(GLUON=1, RING=ring)
-        same[ring] = bitwise(at.attention_bwd(do, q, k, v, out, lse2, scale, dq_config=cfg), want)
-        fns[f"gluon_ring{ring}"] = lambda cfg=cfg: at.attention_bwd(do, q, k, v, out, lse2, scale, dq_config=cfg)
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = sdpa(SDPBackend.CUDNN_ATTENTION, qg, kg, vg)
-    fns["cudnn"] = lambda: torch.autograd.grad(ref, (qg, kg, vg), do, retain_graph=True)
-    medians = alternating_medians(fns, iters, warmup, queued=True)
-    rows = []
-    for ring in rings:
-        name = f"gluon_ring{ring}"
-        row = {"seq": seq, "heads": heads, "ring": ring, "same_bits": same[ring], "gluon_bwd_ms": medians[name],
-               "frozen_bwd_ms": medians["frozen"], "cudnn_bwd_ms": medians["cudnn"],
-               "gluon_over_frozen": medians[name] / medians["frozen"],
-               "gluon_share_of_cudnn": medians["cudnn"] / medians[name],
-               "frozen_share_of_cudnn": medians["cudnn"] / medians["frozen"]}
-        print("gluon_dq", json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
-
-
-def gluon_dq(seqs, heads, dim, iters, warmup, rings=(3, 4)) -> list[dict]:
-    rows = []
-    for seq in seqs:
-        rows += gluon_dq_seq(seq, heads, dim, iters, warmup, rings)
-        torch.cuda.empty_cache()
-    return rows
-
-
 # Sweep candidates (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DP_FIRST[, FUSED_DQ]), most informative first:
 # the frozen tiles, then the dK/dV kernel adding dQ in turn (FUSED_DQ, no dQ kernel; 64 x 64 tiles keep
 # its registers below a spill, 64 x 128 spill about 1 KB at two stages, measured offline), then dK/dV with
@@ -483,7 +440,7 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
     return rows
 
 
-SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "gluon_dq")
+SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings")
 
 
 def main() -> None:
@@ -502,7 +459,7 @@ def main() -> None:
     parser.add_argument("--sweep-kernels", default=",".join(SWEEP_CANDIDATES),
                         help=f"comma-separated subset of {tuple(SWEEP_CANDIDATES)} to sweep")
     parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
-    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in ("sweep", "gluon_dq")),
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "sweep"),
                         help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
     parser.add_argument("--compile-check", action="store_true",
                         help="only compile the sweep candidates for sm90 offline (no GPU) and report their resources")
@@ -567,7 +524,6 @@ def main() -> None:
         "host": lambda: [host_overhead(attention, s, args.heads, args.dim) for s in (4096,)],
         "sweep": run_sweep,
         "timings": lambda: timings(attention, seqs, args.heads, args.dim, args.iters, args.warmup),
-        "gluon_dq": lambda: gluon_dq(seqs, args.heads, args.dim, args.iters, args.warmup),
     }
     for name in SECTIONS:
         if name not in wanted:

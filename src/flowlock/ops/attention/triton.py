@@ -59,7 +59,6 @@ from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
-from flowlock.ops.attention import gluon_dq
 from flowlock.ops.attention.reference import LOG2E
 
 
@@ -395,19 +394,15 @@ class _Tiles(NamedTuple):
     tma: bool
     dp_first: bool
     fused_dq: bool
-    gluon: bool
-    ring: int
 
 
 def _tiles(cfg: LaunchConfig) -> _Tiles:
     """A config without ``BLOCK_N`` (the delta kernel), ``TMA`` (pointer-only configs),
-    ``DP_FIRST`` (backward instruction order), ``FUSED_DQ`` (dK/dV kernel adds dQ in turn) or
-    ``GLUON`` / ``RING`` (dQ on :mod:`flowlock.ops.attention.gluon_dq` with that many K / V stages)
-    reads them as 0."""
+    ``DP_FIRST`` (backward instruction order) or ``FUSED_DQ`` (dK/dV kernel adds dQ in turn) reads
+    them as 0."""
     blocks = dict(cfg.blocks)
     return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
-                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), bool(blocks.get("FUSED_DQ", 0)),
-                  bool(blocks.get("GLUON", 0)), blocks.get("RING", 0))
+                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), bool(blocks.get("FUSED_DQ", 0)))
 
 
 class _Frozen(NamedTuple):
@@ -484,9 +479,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """Launch the backward (delta, then dK/dV, then dQ): returns ``dq, dk, dv`` shaped and typed
     like ``q`` (contiguous). ``dout`` may be strided but needs a contiguous last dim. A kernel
     runs its TMA variant when its config says ``TMA=1`` and q, k, v, dout are all
-    :func:`tma_eligible`; dQ runs on the Gluon kernel of :mod:`flowlock.ops.attention.gluon_dq` (the
-    same bits, its wgmma issued one KV block ahead) when its config also says ``GLUON=1`` with that
-    kernel's tiles and the head is 128 wide in bf16 / fp16."""
+    :func:`tma_eligible`."""
     batch, seq, heads, dim = q.shape
     arch = arch_of(q)
     upcast = arch == "interp"
@@ -529,9 +522,6 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         return dq, dk, dv
     t = dq_t
     tma = t.tma and eligible
-    if t.gluon and tma and gluon_dq.applies(q) and (t.block_m, t.block_n) == (gluon_dq.BLOCK_M, gluon_dq.BLOCK_N):
-        gluon_dq.attention_bwd_dq_pipelined(q, k, v, dout, lse2, delta, dq, scale, t.ring)
-        return dq, dk, dv
     _attention_bwd_dq_kernel[(cdiv(seq, t.block_m), batch * heads)](
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
         _operand(dout, t.block_m, tma), lse2, delta, dq, seq, heads, *common,
