@@ -105,6 +105,26 @@ def test_a_rebound_weight_invalidates_the_graph_an_in_place_update_does_not():
     linear.register_buffer("extra", torch.zeros(1))
     with pytest.raises(GraphInvalidated, match="3 parameters and buffers, 2 at capture"):
         captured()
+    # what accelerate's set_module_tensor_to_device does: a new tensor straight into the registration dict
+    captured, linear, graph = _captured()
+    linear._parameters["bias"] = nn.Parameter(linear.bias.detach().clone())
+    with pytest.raises(GraphInvalidated, match="0.bias changed storage"):
+        captured()
+
+
+def test_the_storage_walk_sees_what_named_parameters_and_buffers_see():
+    from flowlock.cuda_graphs import _watched, _watched_names
+    from flowlock.models.minimax_h3.tiny import tiny_h3
+
+    model = tiny_h3()
+    model.transformer_blocks[0].register_buffer("extra", torch.zeros(2))
+    model.transformer_blocks[1].shared = model.transformer_blocks[0].ff  # one module in two places
+    outside = nn.Linear(2, 2)
+    named = [(f"0.{n}", t) for n, t in model.named_parameters(remove_duplicate=False)]
+    named += [(f"0.{n}", t) for n, t in model.named_buffers(remove_duplicate=False)]
+    named += [(f"1.{n}", t) for n, t in outside.named_parameters(remove_duplicate=False)]
+    walked = list(zip(_watched_names([model, outside]), _watched([model, outside])))
+    assert sorted((n, id(t)) for n, t in walked) == sorted((n, id(t)) for n, t in named)
 
 
 def test_release_drops_the_graph_and_its_gradients():
