@@ -71,15 +71,13 @@ def _watched(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
 
 
 def _watched_names(modules: Iterable[nn.Module]) -> list[str]:
-    """The qualified names of :func:`_watched`'s tensors, in its order (for error messages)."""
-    names = []
-    stack = [(str(i), m) for i, m in enumerate(modules)][::-1]
-    while stack:
-        prefix, module = stack.pop()
-        names += [f"{prefix}.{k}" for k, t in module._parameters.items() if t is not None]
-        names += [f"{prefix}.{k}" for k, t in module._buffers.items() if t is not None]
-        stack += [(f"{prefix}.{k}", c) for k, c in reversed(module._modules.items()) if c is not None]
-    return names
+    """The qualified names of :func:`_watched`'s tensors, in its order (``named_modules`` walks the same
+    preorder), built only to name a tensor in an error."""
+    return [".".join(filter(None, (str(i), path, key)))
+            for i, module in enumerate(modules)
+            for path, sub in module.named_modules(remove_duplicate=False)
+            for registered in (sub._parameters, sub._buffers)
+            for key, t in registered.items() if t is not None]
 
 
 class CapturedCall:
