@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flowlock.ops._position_free import in_float64
 from flowlock.ops._rounding import st_round
-from flowlock.ops.segment_sum.reference import gather_rows_reference
+from flowlock.ops.segment_sum.reference import table_lookup_reference
 
 
 def _projection(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -59,7 +59,7 @@ def adaln_modulation_reference(temb: torch.Tensor, weight: torch.Tensor, bias: t
     table = adaln_table_reference(temb, weight, bias)
     rows = timestep_indices.long() * 3 + token_tags.long()
     # The gather's backward is a deterministic segmented sum (never index_select's scatter-add).
-    return tuple(c.to(weight.dtype) for c in gather_rows_reference(table, rows).chunk(6, dim=-1))
+    return tuple(c.to(weight.dtype) for c in table_lookup_reference(table, rows).chunk(6, dim=-1))
 
 
 def adaln_modulation_golden(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

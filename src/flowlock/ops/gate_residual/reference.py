@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flowlock.ops._rounding import st_round
-from flowlock.ops.segment_sum.reference import gather_rows_reference
+from flowlock.ops.segment_sum.reference import table_lookup_reference
 
 
 def _per_row(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def gate_residual_reference(residual: torch.Tensor, gate: torch.Tensor, y: torch
     """``residual + gate[index] * y`` in ``residual.dtype`` (a float32 gate holding ``residual.dtype``
     values is cast exactly first); the gather's backward is a deterministic fp64 segment sum."""
     h = y.shape[-1]
-    gate_rows = gather_rows_reference(gate, _per_row(y, index)).to(residual.dtype)
+    gate_rows = table_lookup_reference(gate, _per_row(y, index)).to(residual.dtype)
     # the sum is formed in residual's shape, so the result is a tensor of its own, not a view (FSDP2 warns
     # on a unit returning a view: an in-place op on it would drop the unit's pre-backward hook)
     return residual + (gate_rows * y.reshape(-1, h)).reshape(residual.shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from flowlock.ops._rounding import st_round
-from flowlock.ops.segment_sum.reference import gather_rows_reference
+from flowlock.ops.segment_sum.reference import table_lookup_reference
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,9 +41,9 @@ def modulate_reference(n: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
     representable in ``n.dtype``) is rounded where eager rounds its ``n.dtype`` table."""
     rows, per_row = _rows(n, index)
     dt = n.dtype
-    one_plus = (1.0 + gather_rows_reference(scale, per_row)).to(dt)
+    one_plus = (1.0 + table_lookup_reference(scale, per_row)).to(dt)
     # the sum is formed in n's shape: a tensor of its own, not a view (see gate_residual_reference)
-    return (rows * one_plus).reshape(n.shape) + gather_rows_reference(shift, per_row).to(dt).reshape(n.shape)
+    return (rows * one_plus).reshape(n.shape) + table_lookup_reference(shift, per_row).to(dt).reshape(n.shape)
 
 
 def rms_norm_modulate_reference(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,

@@ -22,7 +22,7 @@ def segment_sum_golden(values: torch.Tensor, index: torch.Tensor, num_segments: 
     return _one_hot(index, num_segments).t() @ values.to(torch.float64)
 
 
-class _GatherRows(torch.autograd.Function):
+class _TableLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, table, index):
         ctx.save_for_backward(index)
@@ -35,10 +35,15 @@ class _GatherRows(torch.autograd.Function):
         return segment_sum_golden(grad, index, ctx.num_rows).to(ctx.dtype), None
 
 
-def gather_rows_reference(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` whose backward is a segment sum in fp64 rounded once to the table dtype
-    (deterministic, unlike ``index_select``'s scatter-add backward)."""
-    return _GatherRows.apply(table, index)
+def table_lookup_reference(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]``: (R, N) table, (M,) integer index with repeats -> (M, N) in the table's dtype.
+
+    The backward sums the gradient rows of each table row (a segment sum in fp64 rounded once to the
+    table dtype), deterministic unlike ``index_select``'s scatter-add backward. Not the packed-row
+    copy :func:`flowlock.ops.rows.reference.gather_rows_reference`, whose indices are unique and whose
+    backward is a scatter copy.
+    """
+    return _TableLookup.apply(table, index)
 
 
 def fold_partials_reference(partials: torch.Tensor, group: int) -> torch.Tensor:
