@@ -9,7 +9,7 @@ import vllm_omni_env
 from h3_checkpoints import config_of, save_diffusers, state_dict_of
 
 from flowlock.checkpoint import H3Geometry, convert_directory, diffusers_to_native, name_table
-from flowlock.checkpoint.geometry import native_config
+from flowlock.checkpoint.minimax_h3.geometry import native_config
 from flowlock.models.minimax_h3.tiny import full_width_config
 from flowlock.testing import assert_bitwise_equal
 

@@ -1,10 +1,10 @@
-"""H3 sigma grids: bitwise equal to the real diffusers scheduler, explicit step-count convention."""
+"""Sigma grids: bitwise equal to the real diffusers scheduler, explicit step-count convention."""
 
 import pytest
 import torch
 from diffusers import MiniMaxH3Scheduler
 
-from flowlock.rl.schedules import h3_schedules, sigma_grid, timesteps_from_sigmas
+from flowlock.rl.schedules import sigma_grid, timesteps_from_sigmas
 from flowlock.testing import assert_bitwise_equal
 
 
@@ -29,22 +29,11 @@ def test_evaluations_convention_has_one_more_point(shift):
         assert grid.numel() - 1 == n
 
 
-def test_h3_schedules_defaults_and_transition_count():
-    sched = h3_schedules(10, convention="grid_points")
-    assert_bitwise_equal(sched.video_sigmas, sigma_grid(10, 12.0, convention="grid_points"))
-    assert_bitwise_equal(sched.audio_sigmas, sigma_grid(10, 3.0, convention="grid_points"))
-    assert sched.num_transitions == 9
-    assert h3_schedules(10, convention="evaluations").num_transitions == 10
-    assert sched.video_sigmas[0] == 1.0 and sched.video_sigmas[-1] == 0.0
-
-
 def test_collapsed_duplicates_are_counted_not_assumed():
     # An extreme shift maps several grid points near sigma = 1 onto one float32.
     grid = sigma_grid(400, 1e5, convention="grid_points")
     assert grid.numel() == 295
     assert bool((grid[1:] < grid[:-1]).all())
-    with pytest.raises(ValueError, match="transition counts must agree"):
-        h3_schedules(400, convention="grid_points", video_shift=1e5)
 
 
 def test_non_monotone_grid_is_rejected():
@@ -68,5 +57,3 @@ def test_bad_arguments_raise(kwargs, error):
 def test_convention_is_required():
     with pytest.raises(TypeError):
         sigma_grid(10, 12.0)
-    with pytest.raises(TypeError):
-        h3_schedules(10)

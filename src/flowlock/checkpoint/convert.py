@@ -1,5 +1,9 @@
 """``flowlock convert``: a diffusers H3 directory to a native one or back, streamed and atomic.
 
+This module is the family-independent part: reading, packing, writing and publishing. What the
+tensors are and how they map comes from the model family's plan
+(:func:`~flowlock.checkpoint.minimax_h3.conversion.plan_directory` for H3).
+
 Guarantees of :func:`convert_directory`:
 
 * fail closed before writing: the source's config, index and shard headers are checked in full
@@ -36,16 +40,12 @@ import torch
 
 from flowlock.checkpoint.directory import CONFIG, SafetensorsDirectory, header_bytes
 from flowlock.checkpoint.errors import CheckpointError
-from flowlock.checkpoint.geometry import H3Geometry, diffusers_config, native_config, recorded_qkv_layout
-from flowlock.checkpoint.layout import check_qkv_layout
 from flowlock.checkpoint.manifest import verify_directory, write_manifest
-from flowlock.checkpoint.names import Entry
-from flowlock.checkpoint.plan import Plan, Target, convert_entry, plan_conversion, source_kind
+from flowlock.checkpoint.minimax_h3.conversion import plan_directory
+from flowlock.checkpoint.minimax_h3.names import Entry
+from flowlock.checkpoint.minimax_h3.plan import Plan, Target, convert_entry
 
 _PREFIX = {"native": "model", "diffusers": "diffusion_pytorch_model"}
-# What ``flowlock convert --to native`` writes without --qkv-layout: the layout of the official native
-# shards, the one vLLM-Omni's load_weights de-interleaves under native names.
-DEFAULT_NATIVE_LAYOUT = "interleaved"
 
 WriteShard = Callable[[dict[str, torch.Tensor], Path], None]
 
@@ -68,22 +68,6 @@ class ConversionReport:
     tensors: int
     bytes: int
     verified: bool
-
-
-def resolve_qkv_layout(to: Target, given: str | None, source_config: dict) -> str:
-    """The native q/k/v layout: ``given`` (or the default) when writing native; when reading native, the
-    one the source records, which ``given`` must match, or ``given`` when it records none."""
-    if given is not None:
-        check_qkv_layout(given)
-    if to == "native":
-        return given or DEFAULT_NATIVE_LAYOUT
-    recorded = recorded_qkv_layout(source_config)
-    if recorded is None and given is None:
-        raise CheckpointError("the source's q/k/v layout is not recorded and stacked and interleaved rows cannot be "
-                              "told apart by shape: pass --qkv-layout stacked|interleaved")
-    if recorded is not None and given is not None and recorded != given:
-        raise CheckpointError(f"--qkv-layout {given} contradicts the source's recorded layout {recorded}")
-    return given or recorded
 
 
 def _shard_plan(plan: Plan, source: SafetensorsDirectory) -> list[list[Entry]]:
@@ -117,7 +101,8 @@ def convert_directory(src: str | Path, dst: str | Path, *, to: Target, qkv_layou
                       write_shard: WriteShard = save_shard) -> ConversionReport:
     """Convert the checkpoint directory ``src`` to ``to`` names into the new directory ``dst``.
 
-    ``qkv_layout`` is the native q/k/v layout (see :func:`resolve_qkv_layout`). ``open_source`` and
+    ``qkv_layout`` is the native q/k/v layout (see
+    :func:`~flowlock.checkpoint.minimax_h3.conversion.resolve_qkv_layout`). ``open_source`` and
     ``write_shard`` are the reading and writing seams (tests count live tensors and inject crashes
     through them). Guarantees: the module docstring. Raises :class:`CheckpointError` on any input
     that cannot be converted exactly and when ``dst`` exists.
@@ -129,17 +114,8 @@ def convert_directory(src: str | Path, dst: str | Path, *, to: Target, qkv_layou
         raise CheckpointError(f"{dst.parent} (the parent of DST) is not a directory")
     source = open_source(Path(src))
     try:
-        geometry = H3Geometry.from_config(source.config)
-        if source_kind(source.headers, geometry) == to:
-            raise CheckpointError(f"{src} already holds {to} names; nothing to convert")
-        layout = resolve_qkv_layout(to, qkv_layout, source.config)
-        plan = plan_conversion(source.headers, geometry, to, layout)
-        for entry in plan.entries:
-            if entry.kind == "rope":  # the one value check; done now so it too fails before writing
-                convert_entry(plan, entry, source.load)
-        config = native_config(source.config, layout) if to == "native" else diffusers_config(source.config)
-        shards = _shard_plan(plan, source)
-        return _write(plan, source, shards, config, dst, verify, progress, write_shard)
+        plan, config = plan_directory(Path(src), source.config, source.headers, source.load, to, qkv_layout)
+        return _write(plan, source, _shard_plan(plan, source), config, dst, verify, progress, write_shard)
     finally:
         source.close()
 

@@ -13,19 +13,27 @@ import json
 import math
 import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flowlock.checkpoint.errors import CheckpointError
-from flowlock.checkpoint.plan import Header
 
 CONFIG = "config.json"
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a checkpoint says about one tensor before it is read."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _unique_keys(path: Path):

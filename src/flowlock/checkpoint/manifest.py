@@ -3,8 +3,8 @@
 ``flowlock_manifest.json`` lists every other file of the directory with its SHA-256 and size, plus
 the directory's kind (``native`` or ``diffusers``) and native q/k/v layout. :func:`verify_directory`
 re-hashes every file and re-reads the directory as a checkpoint: the index and shard headers must
-agree and the tensors must be exactly the ones the config's name table gives for that kind, with
-their shapes and the FP32 set in float32 (and, for native, the computed ``rope.inv_freq``).
+agree, and the model family checks the tensors (for H3,
+:func:`~flowlock.checkpoint.minimax_h3.conversion.check_converted`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Any
 
 from flowlock.checkpoint.directory import SafetensorsDirectory, read_json
 from flowlock.checkpoint.errors import CheckpointError
-from flowlock.checkpoint.geometry import H3Geometry, recorded_qkv_layout
-from flowlock.checkpoint.plan import convert_entry, plan_conversion
+from flowlock.checkpoint.minimax_h3.conversion import check_converted
 
 MANIFEST = "flowlock_manifest.json"
 FORMAT = "flowlock-checkpoint-manifest/1"
@@ -66,20 +65,8 @@ def verify_directory(directory: str | Path) -> dict[str, Any]:
     if problems:
         raise CheckpointError(f"{directory} does not match its manifest", problems)
     checkpoint = SafetensorsDirectory(directory)
-    native = manifest["kind"] == "native"
-    if native and recorded_qkv_layout(checkpoint.config) != manifest["qkv_layout"]:
-        raise CheckpointError(f"{directory}: config.json records q/k/v layout "
-                              f"{recorded_qkv_layout(checkpoint.config)!r}, the manifest {manifest['qkv_layout']!r}")
     try:
-        # Validating the directory as the source of the reverse conversion checks it holds exactly
-        # the expected tensors of its kind, with their shapes and dtypes (the layout plays no part in
-        # validating diffusers names, so any valid one does there).
-        reverse = "diffusers" if native else "native"
-        plan = plan_conversion(checkpoint.headers, H3Geometry.from_config(checkpoint.config), reverse,
-                               manifest["qkv_layout"] or "stacked")
-        for entry in plan.entries:
-            if entry.kind == "rope" and reverse == "diffusers":
-                convert_entry(plan, entry, checkpoint.load)
+        check_converted(checkpoint, manifest["kind"], manifest["qkv_layout"])
     finally:
         checkpoint.close()
     return manifest

@@ -1,4 +1,5 @@
-"""MiniMax-H3 sigma grids, built exactly as diffusers builds them.
+"""Shifted flow-matching sigma grids, built exactly as diffusers builds them (model-independent; a
+family's shifts and per-modality grids live in its own module, H3's in :mod:`flowlock.rl.minimax_h3`).
 
 The grid is ``linspace(1, 0, n)`` in float32 on the CPU, pushed through the exponential shift
 ``s*σ / (1 + (s - 1)*σ)`` and collapsed with ``unique_consecutive`` (the shift can map neighbouring
@@ -10,13 +11,10 @@ across versions, so the convention is an explicit argument and the number of tra
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 CONVENTIONS = ("grid_points", "evaluations")
-VIDEO_SHIFT = 12.0
-AUDIO_SHIFT = 3.0
 
 
 def _grid_size(num_steps: int, convention: str) -> int:
@@ -55,41 +53,6 @@ def sigma_grid(num_steps: int, shift: float, *, convention: str) -> torch.Tensor
 
 
 def timesteps_from_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
-    """H3 timesteps ``t = 1 - σ`` (float32) for every grid point that has a model evaluation."""
+    """Timesteps ``t = 1 - σ`` (float32, the H3 convention: t = 1 is clean) for every grid point that has a
+    model evaluation."""
     return 1.0 - sigmas[:-1]
-
-
-@dataclass(frozen=True)
-class H3Schedules:
-    """The two per-modality grids of one H3 request (float32, CPU) and their timesteps."""
-
-    video_sigmas: torch.Tensor
-    audio_sigmas: torch.Tensor
-    convention: str
-
-    @property
-    def num_transitions(self) -> int:
-        return int(self.video_sigmas.numel()) - 1
-
-    @property
-    def video_timesteps(self) -> torch.Tensor:
-        return timesteps_from_sigmas(self.video_sigmas)
-
-    @property
-    def audio_timesteps(self) -> torch.Tensor:
-        return timesteps_from_sigmas(self.audio_sigmas)
-
-
-def h3_schedules(num_steps: int, *, convention: str, video_shift: float = VIDEO_SHIFT,
-                 audio_shift: float = AUDIO_SHIFT) -> H3Schedules:
-    """Video (shift 12) and audio (shift 3) grids of one request.
-
-    Raises ``ValueError`` when collapsing left the two grids with different lengths: H3 steps both
-    modalities in one forward per transition, so the transition counts must agree.
-    """
-    video = sigma_grid(num_steps, video_shift, convention=convention)
-    audio = sigma_grid(num_steps, audio_shift, convention=convention)
-    if video.numel() != audio.numel():
-        raise ValueError(f"num_steps={num_steps}: the video grid has {video.numel()} points and the audio grid "
-                         f"{audio.numel()} after collapsing duplicates; the transition counts must agree")
-    return H3Schedules(video, audio, convention)

@@ -17,8 +17,8 @@ import torch
 
 import flowlock
 from flowlock.models.minimax_h3 import H3Layout, build_layout, tiny_inputs
+from flowlock.rl.minimax_h3 import h3_schedules
 from flowlock.rl.noise import batch_noise, initial_latents
-from flowlock.rl.schedules import h3_schedules
 from flowlock.rl.trajectory import Trajectory, compare
 from flowlock.rl.transitions import cps_step, joint_log_prob
 from flowlock.testing import mismatch_count

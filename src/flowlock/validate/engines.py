@@ -25,8 +25,8 @@ import re
 import torch
 
 import flowlock
+from flowlock.rl.minimax_h3 import h3_schedules
 from flowlock.rl.noise import initial_latents, noise
-from flowlock.rl.schedules import h3_schedules
 from flowlock.rl.transitions import cps_step, joint_log_prob
 from flowlock.testing import mismatch_count
 from flowlock.validate.trace import capture

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from flowlock.checkpoint.geometry import H3Geometry
+from flowlock.checkpoint.minimax_h3.geometry import H3Geometry
 
 Kind = Literal["rename", "fc1", "qkv", "rope"]
 

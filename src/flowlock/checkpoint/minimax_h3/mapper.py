@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from flowlock.checkpoint.directory import Header
 from flowlock.checkpoint.errors import CheckpointError
-from flowlock.checkpoint.geometry import H3Geometry
-from flowlock.checkpoint.plan import Header, Target, convert_entry, plan_conversion
+from flowlock.checkpoint.minimax_h3.geometry import H3Geometry
+from flowlock.checkpoint.minimax_h3.plan import Target, convert_entry, plan_conversion
 
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
