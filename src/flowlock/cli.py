@@ -412,13 +412,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     try:
         report = convert_directory(args.src, args.dst, to=args.to, qkv_layout=args.qkv_layout, verify=args.verify,
-                                   progress=True)
+                                   progress=True, allow_nonfinite=args.allow_nonfinite)
     except (CheckpointError, OSError) as err:
         print(f"flowlock convert: {err}", file=sys.stderr)
         return 1
     print(f"wrote {report.dst}: {report.tensors} {report.to} tensors in {report.shards} shards "
           f"({report.bytes} bytes), native q/k/v layout {report.qkv_layout}"
           + ("; verified against its manifest" if report.verified else ""))
+    for finding in report.nonfinite:
+        print(f"copied with --allow-nonfinite: {finding}")
     return 0
 
 
@@ -477,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="native fused q/k/v rows: written with --to native (default interleaved, the official "
                               "shards' layout); read with --to diffusers, needed when SRC does not record it")
     convert.add_argument("--verify", action="store_true", help="re-read DST and check it against its manifest")
+    convert.add_argument("--allow-nonfinite", action="store_true",
+                         help="copy tensors holding NaN or Inf as they are (listed after the summary); by default "
+                              "they are refused, each named with its shard and count, and nothing is written")
     convert.set_defaults(func=cmd_convert)
     return parser
 

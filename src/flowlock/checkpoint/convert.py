@@ -9,6 +9,10 @@ Guarantees of :func:`convert_directory`:
 * fail closed before writing: the source's config, index and shard headers are checked in full
   (names, shapes, dtypes, q/k/v groups, duplicates, the q/k/v layout, a native ``rope.inv_freq``)
   and every defect is raised as one :class:`CheckpointError`;
+* finite values: each tensor is checked for NaN and Inf as it is read (no second read); one that
+  holds any stops the writing, the reading goes on to find every such tensor, and all are raised as
+  one :class:`CheckpointError` (name, shard, counts) before DST exists. ``allow_nonfinite`` copies
+  them as they are and lists them in the report;
 * bounded memory: entries are taken in the order of the input shard holding their first source
   (a q/k/v group split across shards is read whole, its other parts fetched from their shards)
   and packed into output shards no larger than the largest input shard; tensors are read one at a
@@ -40,6 +44,7 @@ import torch
 
 from flowlock.checkpoint.directory import CONFIG, SafetensorsDirectory, header_bytes
 from flowlock.checkpoint.errors import CheckpointError
+from flowlock.checkpoint.finite import FiniteLoader
 from flowlock.checkpoint.manifest import verify_directory, write_manifest
 from flowlock.checkpoint.minimax_h3.conversion import plan_directory
 from flowlock.checkpoint.minimax_h3.names import Entry
@@ -59,7 +64,8 @@ def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 @dataclass(frozen=True)
 class ConversionReport:
-    """What :func:`convert_directory` published: ``tensors`` in ``shards`` files, ``bytes`` of tensor data."""
+    """What :func:`convert_directory` published: ``tensors`` in ``shards`` files, ``bytes`` of tensor data;
+    ``nonfinite``: the source tensors copied with NaN or Inf in them (only with ``allow_nonfinite``)."""
 
     dst: Path
     to: Target
@@ -68,6 +74,7 @@ class ConversionReport:
     tensors: int
     bytes: int
     verified: bool
+    nonfinite: tuple[str, ...] = ()
 
 
 def _shard_plan(plan: Plan, source: SafetensorsDirectory) -> list[list[Entry]]:
@@ -96,7 +103,7 @@ def _progress(total: int, enabled: bool):
 
 
 def convert_directory(src: str | Path, dst: str | Path, *, to: Target, qkv_layout: str | None = None,
-                      verify: bool = False, progress: bool = False,
+                      verify: bool = False, progress: bool = False, allow_nonfinite: bool = False,
                       open_source: Callable[[Path], SafetensorsDirectory] = SafetensorsDirectory,
                       write_shard: WriteShard = save_shard) -> ConversionReport:
     """Convert the checkpoint directory ``src`` to ``to`` names into the new directory ``dst``.
@@ -105,7 +112,8 @@ def convert_directory(src: str | Path, dst: str | Path, *, to: Target, qkv_layou
     :func:`~flowlock.checkpoint.minimax_h3.conversion.resolve_qkv_layout`). ``open_source`` and
     ``write_shard`` are the reading and writing seams (tests count live tensors and inject crashes
     through them). Guarantees: the module docstring. Raises :class:`CheckpointError` on any input
-    that cannot be converted exactly and when ``dst`` exists.
+    that cannot be converted exactly, on NaN or Inf in a tensor (unless ``allow_nonfinite``) and when
+    ``dst`` exists.
     """
     dst = Path(dst)
     if dst.exists():
@@ -115,14 +123,16 @@ def convert_directory(src: str | Path, dst: str | Path, *, to: Target, qkv_layou
     source = open_source(Path(src))
     try:
         plan, config = plan_directory(Path(src), source.config, source.headers, source.load, to, qkv_layout)
-        return _write(plan, source, _shard_plan(plan, source), config, dst, verify, progress, write_shard)
+        return _write(plan, source, _shard_plan(plan, source), config, dst, verify, progress, allow_nonfinite,
+                      write_shard)
     finally:
         source.close()
 
 
 def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], config: dict, dst: Path,
-           verify: bool, progress: bool, write_shard: WriteShard) -> ConversionReport:
+           verify: bool, progress: bool, allow_nonfinite: bool, write_shard: WriteShard) -> ConversionReport:
     prefix = _PREFIX[plan.to]
+    reader = FiniteLoader(source)
     bar = _progress(sum(len(plan.targets(e)) for e in plan.entries), progress)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
     try:
@@ -132,11 +142,17 @@ def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], 
             name = f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             tensors: dict[str, torch.Tensor] = {}  # rebinding releases the previous shard before any read
             for entry in entries:
-                tensors.update(convert_entry(plan, entry, source.load))
+                tensors.update(convert_entry(plan, entry, reader.load))
                 bar.update(len(plan.targets(entry)))
+            if reader.findings and not allow_nonfinite:
+                continue  # DST will not be published: only read on, to name every such tensor
             write_shard(tensors, tmp / name)
             weight_map.update(dict.fromkeys(tensors, name))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
+        if reader.findings and not allow_nonfinite:
+            raise CheckpointError(f"{source.path} holds NaN or Inf values; nothing was written (pass "
+                                  "--allow-nonfinite, allow_nonfinite=True, to copy them as they are)",
+                                  reader.findings)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -153,7 +169,8 @@ def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], 
     finally:
         bar.close()
     _fsync_dir(dst.parent)
-    return ConversionReport(dst, plan.to, plan.qkv_layout, len(shards), len(weight_map), total, verify)
+    return ConversionReport(dst, plan.to, plan.qkv_layout, len(shards), len(weight_map), total, verify,
+                            tuple(reader.findings))
 
 
 def _publishable(tmp: Path) -> None:
