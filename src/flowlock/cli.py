@@ -408,14 +408,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from flowlock.checkpoint import CheckpointError, convert_directory
+    from flowlock.checkpoint import CheckpointError, convert_directory, sweep_partials
 
+    if args.clean and (args.src is not None or args.to is not None):
+        print("flowlock convert: --clean takes DST alone (no SRC, no --to)", file=sys.stderr)
+        return 2
+    if not args.clean and (args.src is None or args.to is None):
+        print("flowlock convert: SRC, DST and --to are required (or --clean DST)", file=sys.stderr)
+        return 2
     try:
-        report = convert_directory(args.src, args.dst, to=args.to, qkv_layout=args.qkv_layout, verify=args.verify,
-                                   progress=True, allow_nonfinite=args.allow_nonfinite)
+        if args.clean:
+            swept = sweep_partials(args.dst)
+        else:
+            report = convert_directory(args.src, args.dst, to=args.to, qkv_layout=args.qkv_layout,
+                                       verify=args.verify, progress=True, allow_nonfinite=args.allow_nonfinite)
+            swept = report.swept
     except (CheckpointError, OSError) as err:
         print(f"flowlock convert: {err}", file=sys.stderr)
         return 1
+    for path in swept.removed:
+        print(f"removed {path}: a partial directory no live conversion holds")
+    for path in swept.held:
+        print(f"kept {path}: a live conversion holds it")
+    if args.clean:
+        if not swept.removed and not swept.held:
+            print(f"no partial directory of {args.dst}")
+        return 0
     print(f"wrote {report.dst}: {report.tensors} {report.to} tensors in {report.shards} shards "
           f"({report.bytes} bytes), native q/k/v layout {report.qkv_layout}"
           + ("; verified against its manifest" if report.verified else ""))
@@ -471,10 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip-gate", action="store_true")
     bench.add_argument("--smoke", action="store_true")
     bench.set_defaults(func=cmd_bench)
-    convert = sub.add_parser("convert", help="diffusers <-> vLLM-Omni native H3 checkpoint directory")
-    convert.add_argument("src", metavar="SRC")
+    convert = sub.add_parser("convert", help="diffusers <-> vLLM-Omni native H3 checkpoint directory",
+                             usage="flowlock convert SRC DST --to {native,diffusers} [options] | "
+                                   "flowlock convert --clean DST")
+    convert.add_argument("src", metavar="SRC", nargs="?", help="the checkpoint directory to convert")
     convert.add_argument("dst", metavar="DST", help="a new directory (never overwritten)")
-    convert.add_argument("--to", choices=("native", "diffusers"), required=True)
+    convert.add_argument("--to", choices=("native", "diffusers"), default=None, help="the names to convert to")
     convert.add_argument("--qkv-layout", choices=("stacked", "interleaved"), default=None,
                          help="native fused q/k/v rows: written with --to native (default interleaved, the official "
                               "shards' layout); read with --to diffusers, needed when SRC does not record it")
@@ -482,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--allow-nonfinite", action="store_true",
                          help="copy tensors holding NaN or Inf as they are (listed after the summary); by default "
                               "they are refused, each named with its shard and count, and nothing is written")
+    convert.add_argument("--clean", action="store_true",
+                         help="only remove the hidden .DST.*.partial directories that killed conversions into DST "
+                              "left and no live conversion holds (a conversion does this itself before writing)")
     convert.set_defaults(func=cmd_convert)
     return parser
 

@@ -18,9 +18,11 @@ Guarantees of :func:`convert_directory`:
   and packed into output shards no larger than the largest input shard; tensors are read one at a
   time and a shard's tensors are released once it is written, so at most one shard plus the q/k/v
   group being fused or split is alive, whatever order the source stores its tensors in;
-* atomic: everything is written into a hidden temporary directory next to DST and renamed onto
-  DST at the very end; any failure (an exception, Ctrl-C) removes it, and a killed process leaves
-  at most that ``.DST.*.partial`` directory, never DST;
+* atomic: everything is written into a hidden ``.DST.<hex>.partial`` directory next to DST, locked
+  for the conversion's life (:mod:`flowlock.checkpoint.partial`), and renamed onto DST at the very
+  end; any failure (an exception, Ctrl-C) removes it, and a killed process leaves at most that
+  directory, never DST. The next conversion into DST (or ``flowlock convert --clean DST``) removes
+  such leftovers once the source has passed the checks above, and keeps those a live conversion holds;
 * DST holds the shards, an index (always, even for one shard), config.json and the SHA-256
   manifest; ``verify`` re-reads all of it (:func:`~flowlock.checkpoint.manifest.verify_directory`)
   before the rename, so a directory that fails verification is never published.
@@ -35,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from flowlock.checkpoint.manifest import verify_directory, write_manifest
 from flowlock.checkpoint.minimax_h3.conversion import plan_directory
 from flowlock.checkpoint.minimax_h3.names import Entry
 from flowlock.checkpoint.minimax_h3.plan import Plan, Target, convert_entry
+from flowlock.checkpoint.partial import PartialDirectory, Sweep, sweep_partials
 
 _PREFIX = {"native": "model", "diffusers": "diffusion_pytorch_model"}
 
@@ -65,7 +67,8 @@ def save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
 @dataclass(frozen=True)
 class ConversionReport:
     """What :func:`convert_directory` published: ``tensors`` in ``shards`` files, ``bytes`` of tensor data;
-    ``nonfinite``: the source tensors copied with NaN or Inf in them (only with ``allow_nonfinite``)."""
+    ``nonfinite``: the source tensors copied with NaN or Inf in them (only with ``allow_nonfinite``);
+    ``swept``: the stale partial directories of earlier conversions into DST removed, and those kept."""
 
     dst: Path
     to: Target
@@ -74,7 +77,8 @@ class ConversionReport:
     tensors: int
     bytes: int
     verified: bool
-    nonfinite: tuple[str, ...] = ()
+    nonfinite: tuple[str, ...]
+    swept: Sweep
 
 
 def _shard_plan(plan: Plan, source: SafetensorsDirectory) -> list[list[Entry]]:
@@ -123,18 +127,21 @@ def convert_directory(src: str | Path, dst: str | Path, *, to: Target, qkv_layou
     source = open_source(Path(src))
     try:
         plan, config = plan_directory(Path(src), source.config, source.headers, source.load, to, qkv_layout)
-        return _write(plan, source, _shard_plan(plan, source), config, dst, verify, progress, allow_nonfinite,
-                      write_shard)
+        shards = _shard_plan(plan, source)
+        swept = sweep_partials(dst)
+        return _write(plan, source, shards, config, dst, verify, progress, allow_nonfinite, write_shard, swept)
     finally:
         source.close()
 
 
 def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], config: dict, dst: Path,
-           verify: bool, progress: bool, allow_nonfinite: bool, write_shard: WriteShard) -> ConversionReport:
+           verify: bool, progress: bool, allow_nonfinite: bool, write_shard: WriteShard,
+           swept: Sweep) -> ConversionReport:
     prefix = _PREFIX[plan.to]
     reader = FiniteLoader(source)
     bar = _progress(sum(len(plan.targets(e)) for e in plan.entries), progress)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    partial = PartialDirectory(dst)
+    tmp = partial.path
     try:
         weight_map: dict[str, str] = {}
         total = 0
@@ -167,14 +174,15 @@ def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        partial.release()
         bar.close()
     _fsync_dir(dst.parent)
     return ConversionReport(dst, plan.to, plan.qkv_layout, len(shards), len(weight_map), total, verify,
-                            tuple(reader.findings))
+                            tuple(reader.findings), swept)
 
 
 def _publishable(tmp: Path) -> None:
-    """Ordinary permissions (umask applied): mkdtemp makes the directory owner-only, and DST is meant to be shared."""
+    """Ordinary permissions (umask applied): the partial directory is owner-only, and DST is meant to be shared."""
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)
