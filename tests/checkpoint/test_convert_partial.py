@@ -115,6 +115,41 @@ def test_a_partial_directory_is_locked_from_its_creation(tmp_path):
     assert sweep_partials(tmp_path / "dst").removed == (held.path,)
 
 
+@pytest.mark.parametrize("sweep_at", ["mkdir", "flock"])
+def test_a_sweep_between_creation_and_lock_costs_a_new_name_not_the_lock(monkeypatch, tmp_path, sweep_at):
+    # A sweep right after the mkdir (directory not yet locked) or while the creator waits for the lock
+    # (the sweep holds it and removes the directory): the creator must end up holding a live directory.
+    import flowlock.checkpoint.partial as partial
+
+    swept = []
+    if sweep_at == "mkdir":
+        real = os.mkdir
+
+        def hook(path, mode):
+            real(path, mode)
+            if not swept:
+                swept.append(sweep_partials(tmp_path / "dst"))
+
+        monkeypatch.setattr(partial.os, "mkdir", hook)
+    else:
+        real = partial.fcntl.flock
+
+        def hook(fd, op):
+            if not swept:  # the sweep's own lock is taken on another descriptor while this one waits
+                monkeypatch.setattr(partial.fcntl, "flock", real)
+                swept.append(sweep_partials(tmp_path / "dst"))
+            real(fd, op)
+
+        monkeypatch.setattr(partial.fcntl, "flock", hook)
+    held = PartialDirectory(tmp_path / "dst")
+    try:
+        assert len(swept) == 1 and len(swept[0].removed) == 1 and swept[0].removed[0] != held.path
+        assert partial_dirs(tmp_path / "dst") == [held.path]
+        assert sweep_partials(tmp_path / "dst").held == (held.path,)
+    finally:
+        held.release()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["convert", "--clean", "SRC", "DST"], "--clean takes DST alone"),
     (["convert", "--clean", "DST", "--to", "native"], "--clean takes DST alone"),

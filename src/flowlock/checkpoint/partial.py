@@ -61,9 +61,13 @@ class PartialDirectory:
                 os.mkdir(path, 0o700)
             except FileExistsError:
                 continue
-            # Blocking: between the mkdir and this lock only a sweep can hold it, and a sweep that
-            # took it has removed the directory, which the identity check below sees.
-            fd = _open_locked(path, blocking=True)
+            # Between the mkdir and this lock a sweep may take the directory for a stale one and remove
+            # it: then the open fails, or the lock (blocking: a sweep holds it only while removing)
+            # comes on a removed directory, which the identity check sees; either way, a new name.
+            try:
+                fd = _open_locked(path, blocking=True)
+            except FileNotFoundError:
+                continue
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(path))
             except FileNotFoundError:
