@@ -139,9 +139,9 @@ def _write(plan: Plan, source: SafetensorsDirectory, shards: list[list[Entry]], 
            swept: Sweep) -> ConversionReport:
     prefix = _PREFIX[plan.to]
     reader = FiniteLoader(source)
-    bar = _progress(sum(len(plan.targets(e)) for e in plan.entries), progress)
     partial = PartialDirectory(dst)
     tmp = partial.path
+    bar = _progress(sum(len(plan.targets(e)) for e in plan.entries), progress)
     try:
         weight_map: dict[str, str] = {}
         total = 0
