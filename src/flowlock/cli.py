@@ -410,8 +410,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from flowlock.checkpoint import CheckpointError, convert_directory, sweep_partials
 
-    if args.clean and (args.src is not None or args.to is not None):
-        print("flowlock convert: --clean takes DST alone (no SRC, no --to)", file=sys.stderr)
+    conversion_only = [name for name, value in (("SRC", args.src), ("--to", args.to), ("--qkv-layout", args.qkv_layout),
+                                                ("--verify", args.verify), ("--allow-nonfinite", args.allow_nonfinite))
+                       if value]
+    if args.clean and conversion_only:
+        print(f"flowlock convert: --clean takes DST alone, not {', '.join(conversion_only)}", file=sys.stderr)
         return 2
     if not args.clean and (args.src is None or args.to is None):
         print("flowlock convert: SRC, DST and --to are required (or --clean DST)", file=sys.stderr)

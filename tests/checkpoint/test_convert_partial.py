@@ -153,6 +153,9 @@ def test_a_sweep_between_creation_and_lock_costs_a_new_name_not_the_lock(monkeyp
 @pytest.mark.parametrize("argv, message", [
     (["convert", "--clean", "SRC", "DST"], "--clean takes DST alone"),
     (["convert", "--clean", "DST", "--to", "native"], "--clean takes DST alone"),
+    (["convert", "--clean", "DST", "--verify"], "--clean takes DST alone"),
+    (["convert", "--clean", "DST", "--allow-nonfinite"], "--clean takes DST alone"),
+    (["convert", "--clean", "DST", "--qkv-layout", "stacked"], "--clean takes DST alone"),
     (["convert", "DST", "--to", "native"], "SRC, DST and --to are required"),
     (["convert", "SRC", "DST"], "SRC, DST and --to are required"),
 ])
