@@ -107,3 +107,21 @@ def test_count_is_exact_across_chunk_boundaries(monkeypatch, dtype):
     assert expected == (5 if dtype in (torch.float32, torch.float64, torch.bfloat16) else 6)  # 1e30 is Inf in fp16
     assert finite.nonfinite_count(tensor) == expected
     assert finite.nonfinite_count(torch.arange(10)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_one_nonfinite_element_anywhere_is_counted(dtype, value):
+    # The sum screen must not miss a single element, wherever the vectorised reduction puts it.
+    tensor = torch.randn(3, 1031, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for position in (0, 1, 15, 16, 17, 1030, 2047, 3092):
+        poisoned = tensor.clone()
+        poisoned.view(-1)[position] = value
+        assert finite.nonfinite_count(poisoned) == 1, position
+
+
+def test_an_overflowing_sum_of_finite_values_counts_zero():
+    tensor = torch.full((64,), 65504.0, dtype=torch.float16)  # fp16's largest: the fp16 sum overflows
+    assert not torch.isfinite(tensor.sum()) and finite.nonfinite_count(tensor) == 0
+    tensor[5] = float("-inf")
+    assert finite.nonfinite_count(tensor) == 1

@@ -18,6 +18,11 @@ def nonfinite_count(tensor: torch.Tensor) -> int:
     """Elements of ``tensor`` that are NaN, +Inf or -Inf (0 for a tensor that is not floating point)."""
     if not tensor.dtype.is_floating_point:
         return 0
+    # The sum is finite only if every element is (IEEE addition propagates NaN and Inf, and Inf + -Inf
+    # is NaN): one pass with no temporary, about 20x faster than isfinite on the CPU. A sum of finite
+    # values can still overflow, so a non-finite sum is only a suspicion the exact count settles.
+    if bool(torch.isfinite(tensor.sum())):
+        return 0
     return _count(tensor, lambda chunk: torch.isfinite(chunk).logical_not_())
 
 
