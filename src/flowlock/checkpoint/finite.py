@@ -6,7 +6,7 @@ import torch
 
 from flowlock.checkpoint.directory import SafetensorsDirectory
 
-# Elements per isfinite pass: the check's own memory stays at 16 Mi bools whatever the tensor's size.
+# Elements per pass of the exact count: its own memory stays at 16 Mi bools whatever the tensor's size.
 _CHUNK = 1 << 24
 
 
