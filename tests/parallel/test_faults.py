@@ -85,6 +85,29 @@ def test_check_names_the_failing_rank_and_ends_at_once(when, monkeypatch, capsys
         assert f"  rank 0: killed by the launcher, still running {GRACE_S:g} s after rank 1 failed" in out, out
 
 
+_SLEEPER = """\
+import os, sys, time
+if sys.argv[1] == "rank_1_fails" and os.environ["RANK"] == "1":
+    raise RuntimeError("rank 1 gives up")
+time.sleep(120)
+"""
+
+
+def test_launcher_ends_the_other_ranks_a_grace_after_one_fails_and_all_at_the_deadline(tmp_path):
+    worker = tmp_path / "sleeper.py"
+    worker.write_text(_SLEEPER)
+    ranks, wall = flowlock_launch(3, "rank_1_fails", worker, timeout=100.0, grace=1.0)
+    assert [r.returncode for r in ranks] == [None, 1, None] and wall < 30.0, ranks
+    assert {r.stopped for r in ranks} == {None, "still running 1 s after rank 1 failed"}
+    assert all(0.9 <= r.ended_s - ranks[1].ended_s < 5.0 for r in (ranks[0], ranks[2])), ranks
+    assert rank_failures(ranks)[0] == {"rank": 1, "error": "RuntimeError: rank 1 gives up", "first": True,
+                                       "raised_at": f'File "{worker}", line 3, in <module>: '
+                                                    'raise RuntimeError("rank 1 gives up")'}
+    ranks, wall = flowlock_launch(2, "all_sleep", worker, timeout=2.0)
+    assert [r.returncode for r in ranks] == [None, None] and wall < 30.0, ranks
+    assert {r.stopped for r in ranks} == {"still running at the 2 s deadline"}
+
+
 _CHAINED = """\
 rank 0: starting
 Traceback (most recent call last):

@@ -59,9 +59,11 @@ def launch(world: int, scenario: str, worker: str | Path | None = None, timeout:
     with contextlib.ExitStack() as stack:
         # Files, not pipes: a rank that writes more than a pipe holds must not block while others are watched.
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world)]
-        procs = [subprocess.Popen(command, env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT,
-                                  text=True) for rank, log in enumerate(logs)]
+        procs: list[subprocess.Popen] = []
         stack.callback(_kill_running, procs)  # also on an exception or interrupt here: no rank outlives the launch
+        for rank, log in enumerate(logs):
+            procs.append(subprocess.Popen(command, env=dict(env, RANK=str(rank)), stdout=log,
+                                          stderr=subprocess.STDOUT, text=True))
         ended, stopped = _watch(procs, start, timeout, grace)
         ranks = []
         for proc, log, end, why in zip(procs, logs, ended, stopped):
