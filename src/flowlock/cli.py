@@ -273,15 +273,21 @@ def _describe(result: dict) -> str:
 
 def _trace_layout(args: argparse.Namespace) -> int:
     """``trace --layout``: :func:`flowlock.validate.layout_trace.trace_layouts` on gloo subprocesses."""
-    from flowlock.validate.layout_trace import describe, parse_layout, trace_layouts
+    from flowlock.validate.layout_spec import parse_parallel_layout
+    from flowlock.validate.layout_trace import LayoutJobFailed, describe, trace_layouts
 
     modes = ("strict", "provider") if args.mode == "both" else (args.mode,)
     try:
-        ulysses = parse_layout(args.layout)[1]
+        ulysses = parse_parallel_layout(args.layout, "trace").ulysses
         if "provider" in modes and args.seq % ulysses:
             raise ValueError(f"the stock diffusers path (provider) needs S divisible by the Ulysses degree "
                              f"{ulysses}; got --seq {args.seq}")
         report = trace_layouts(args.layout, args.against, runs=tuple((m, args.seq) for m in modes))
+    except LayoutJobFailed as err:
+        print(err)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"ok": False, "failed_jobs": err.jobs}, indent=2) + "\n")
+        return 1
     except (ValueError, RuntimeError) as err:
         print(f"flowlock trace: {err}", file=sys.stderr)
         return 2
@@ -356,15 +362,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check_layout(args: argparse.Namespace) -> int:
-    from flowlock.validate.layout import check_layout
+    from flowlock.validate.layout import check_layout, describe
 
     try:
         report = check_layout(args.layout)
     except ValueError as err:
         print(f"flowlock check: {err}", file=sys.stderr)
         return 2
-    print(f"flowlock check --layout {report['layout']}: {'PASS' if report['passed'] else 'FAIL'} "
-          f"({report['world']} gloo ranks, {report['wall_s']} s)")
+    print(describe(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["passed"] else 1
@@ -469,16 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
         p.add_argument("--json", default=None)
         p.set_defaults(func=func)
-    sub.choices["check"].add_argument("--layout", default=None, help="instead: the layout suite on gloo "
-                                      "subprocesses (ulysses=2, ulysses=4, dp=2,ulysses=2, dp=2,exact, dp=4,exact)")
+    from flowlock.validate.layout_spec import ONE_PROCESS, layout_help
+
+    sub.choices["check"].add_argument("--layout", default=None, help=layout_help("check"))
     trace_parser = sub.choices["trace"]
     trace_parser.add_argument("--rollout", **rollout)
-    trace_parser.add_argument("--layout", default=None,
-                              help="instead: the first module and rank whose bits differ between this layout "
-                                   "(ulysses=2, ulysses=4, dp=2, dp=2,ulysses=2, dp=2,ulysses=4) and --against, "
-                                   "forward and backward, on gloo subprocesses (tiny H3)")
-    trace_parser.add_argument("--against", default="ulysses=1", help="with --layout: the reference layout "
-                              "(one process, ulysses=1)")
+    trace_parser.add_argument("--layout", default=None, help=layout_help("trace"))
+    trace_parser.add_argument("--against", default=ONE_PROCESS.name, help="with --layout: the reference layout "
+                              f"(one process, {ONE_PROCESS.name})")
     trace_parser.add_argument("--mode", choices=("strict", "provider", "both"), default="strict",
                               help="with --layout: flowlock strict, the stock diffusers path, or both")
     trace_parser.add_argument("--seq", type=int, default=25, help="with --layout: packed rows per sample "

@@ -29,17 +29,13 @@ from flowlock.ops import final_adaln_out, gate_residual, linear, linear_weight_g
 from flowlock.parallel import CollectiveError
 from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import assert_bitwise_equal, mismatch_count, poison_
+from flowlock.validate.layout_models import BATCH, PACKINGS, cp_model, local, model_for
 from flowlock.validate.layout_worker import (
-    BATCH,
-    LAYOUTS,
     check_fsdp_ulysses,
     check_ulysses,
     check_ulysses_exact,
-    cp_model,
     forward_backward,
     init,
-    local,
-    model_for,
     reduce_and_check,
     trace_layout,
 )
@@ -89,7 +85,7 @@ def planted_row_count_gemm(ref, model, rank: int) -> None:
         out = out + real(x[..., half:].contiguous(), weight[:, half:].contiguous())
         return out if bias is None else out + bias
 
-    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
     h3_strict.linear = planted
     try:
         with torch.no_grad():
@@ -109,7 +105,7 @@ def planted_naive_all_reduce(model, sharded: set, rank: int) -> None:
         for g in grads:
             dist.all_reduce(local(g), group=group)
 
-    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
     _, grads = forward_backward(model, inputs)
     h3_cp.fold_sum_ = naive
     try:
@@ -145,10 +141,10 @@ def refusals_two_ranks(rank: int) -> None:
         assert "enable_parallelism ran after flowlock.patch" in str(err), err
     mismatch = cp_model(2)
     # Same S = 24 on both ranks, different packings: only the layout fingerprint tells them apart.
-    layout = build_layout(5, 2, 2, 3, 7) if rank == 0 else build_layout(4, 2, 2, 3, 8)
+    packing = build_layout(5, 2, 2, 3, 7) if rank == 0 else build_layout(4, 2, 2, 3, 8)
     with flowlock.patch(mismatch):
         try:
-            mismatch(**tiny_inputs(BATCH, seed=1, layout=layout))
+            mismatch(**tiny_inputs(BATCH, seed=1, layout=packing))
             raise AssertionError("ranks with different layouts were not refused")
         except ValueError as err:
             assert "disagree on the layout" in str(err), err
@@ -159,7 +155,7 @@ def checkpointed_blocks(ref, rank: int) -> None:
     """diffusers' gradient checkpointing recomputes each block, its all-to-alls included, in backward."""
     model = cp_model(2)
     model.enable_gradient_checkpointing()
-    inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+    inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
     expected, _ = forward_backward(ref, inputs)
     with flowlock.patch(model):
         got, _ = forward_backward(model, inputs)
@@ -195,9 +191,9 @@ def check_ulysses_exact_lora(rank: int) -> None:
     ref, model = _with_lora(model_for(n)), cp_model(n, base=_with_lora(model_for(n)))
     h3_cp.exact_parameter_gradients(model)
     with flowlock.patch(ref), flowlock.patch(model):
-        for layout in LAYOUTS[1:]:
-            what = f"Ulysses {n} exact with LoRA, S={layout.seq_len}, rank {rank}"
-            inputs = tiny_inputs(BATCH, seed=1, layout=layout)
+        for packing in PACKINGS[1:]:
+            what = f"Ulysses {n} exact with LoRA, S={packing.seq_len}, rank {rank}"
+            inputs = tiny_inputs(BATCH, seed=1, layout=packing)
             expected, ref_grads = forward_backward(ref, inputs)
             with flowlock.mode("strict") as frame:
                 got, grads = forward_backward(model, inputs)
@@ -208,7 +204,7 @@ def check_ulysses_exact_lora(rank: int) -> None:
             assert_bitwise_equal([grads[k] for k in names], [ref_grads[k] for k in names], what + " LoRA gradients")
             print(f"{what}: all {len(names)} LoRA factor gradients equal one process", flush=True)
         h3_cp.exact_parameter_gradients(model, False)
-        inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+        inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
         _, ref_grads = forward_backward(ref, inputs)
         _, grads = forward_backward(model, inputs)
         h3_cp.reduce_gradients(model)
@@ -399,9 +395,18 @@ def scenario_trace(rank: int, *args: str) -> None:
     trace_layout(rank, *args, plants={"ffn_rows": row_count_ffn_down_projection})
 
 
+def _planted_failure(when: str, rank: int) -> None:
+    """Raise on the rank that ``FLOWLOCK_PLANTED_FAILURE`` (``WHEN:RANK``, WHEN ``before_rendezvous`` or
+    ``after_rendezvous``) names, at that point of any scenario: the job must end with that rank named."""
+    if os.environ.get("FLOWLOCK_PLANTED_FAILURE") == f"{when}:{rank}":
+        raise RuntimeError(f"planted failure on rank {rank} {when.replace('_', ' ')}")
+
+
 def main() -> None:
     _poison_allocations()
+    _planted_failure("before_rendezvous", int(os.environ["RANK"]))
     rank = init()
+    _planted_failure("after_rendezvous", rank)
     globals()["scenario_" + sys.argv[1]](rank, *sys.argv[2:])
     end_process_groups()
     print(f"rank {rank} ok", flush=True)

@@ -11,9 +11,14 @@ ones (MKL and ATen pick other kernels) first in ``norm_out.linear``'s backward, 
 only what holds on both.
 """
 
+import functools
+import json
+
 import pytest
 from parallel_launch import WORKER
 
+import flowlock.validate.layout_trace as trace_module
+from flowlock.validate.layout_launch import GRACE_S
 from flowlock.validate.layout_trace import describe, trace_layouts
 
 
@@ -65,3 +70,23 @@ def test_cli_refuses_before_any_job(argv, message, capsys):
 
     assert main(["trace", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_rank_failing_before_the_rendezvous_is_named_and_ends_its_job_at_once(monkeypatch, capsys, tmp_path):
+    """Rank 1 of the traced layout raises before joining its group: the trace prints that rank, its
+    exception and where it was raised, and its rank 0 (waiting in the rendezvous) is ended a grace
+    period later instead of at the 60 s store timeout."""
+    from flowlock.cli import main
+
+    monkeypatch.setenv("FLOWLOCK_PLANTED_FAILURE", "before_rendezvous:1")
+    monkeypatch.setattr(trace_module, "trace_layouts", functools.partial(trace_layouts, worker=WORKER))
+    report_path = tmp_path / "report.json"
+    assert main(["trace", "--layout", "ulysses=2", "--json", str(report_path)]) == 1
+    out = capsys.readouterr().out
+    assert "flowlock trace --layout: the layout job (ulysses=2, 2 gloo ranks) failed\n" in out, out
+    assert "  rank 1 failed first: RuntimeError: planted failure on rank 1 before rendezvous\n" in out, out
+    assert f'    raised at File "{WORKER}", line ' in out and "in _planted_failure: raise RuntimeError(" in out, out
+    assert f"  rank 0: killed by the launcher, still running {GRACE_S:g} s after rank 1 failed" in out, out
+    assert "against job" not in out  # the one-process job has no rank 1
+    job = json.loads(report_path.read_text())["failed_jobs"]["layout"]
+    assert job["ranks"][0]["ended_s"] - job["ranks"][1]["ended_s"] <= GRACE_S + 2.0

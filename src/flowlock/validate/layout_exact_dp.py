@@ -28,7 +28,7 @@ from flowlock.models.minimax_h3 import tiny_inputs
 from flowlock.parallel import MicroBatchGradients, exact_data_parallel
 from flowlock.parallel.collectives import full_tensor
 from flowlock.testing import assert_bitwise_equal
-from flowlock.validate.layout_models import LATENTS, LAYOUTS, cp_model, model_for
+from flowlock.validate.layout_models import LATENTS, PACKINGS, cp_model, model_for
 
 MICRO_BATCHES_PER_RANK = 2
 FP32_UNITS = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out")
@@ -104,7 +104,7 @@ def check_equal(got: dict, expected: dict, what: str) -> None:
 def check_exact_data_parallel(rank: int) -> None:
     """The scenarios of this module's docstring for the job's world size (2 or 4)."""
     n = dist.get_world_size()
-    inputs = tiny_inputs(n * MICRO_BATCHES_PER_RANK, seed=1, layout=LAYOUTS[1])
+    inputs = tiny_inputs(n * MICRO_BATCHES_PER_RANK, seed=1, layout=PACKINGS[1])
     counts = (n * MICRO_BATCHES_PER_RANK,) if n == 2 else (4, 8)
     expected = one_process_trees(inputs, counts)
     model = model_for(1)

@@ -1,8 +1,10 @@
 """``flowlock trace --layout``: the first module, and the ranks, whose bits differ between two layouts.
 
-Both layouts run one forward and backward of the tiny H3 (a batch of 2, the packing of
-:func:`layout_inputs`) as gloo subprocess jobs of this machine (:func:`flowlock.validate.layout.launch`
-of :func:`flowlock.validate.layout_worker.trace_layout`, the two jobs at once). Every rank records every
+Both parallel layouts run one forward and backward of the tiny H3 (a batch of 2,
+:func:`flowlock.validate.layout_models.traced_batch`) as gloo subprocess jobs of this machine
+(:func:`flowlock.validate.layout_launch.launch` of :func:`flowlock.validate.layout_worker.trace_layout`,
+the two jobs at once); a job whose rank fails raises :class:`LayoutJobFailed`, naming the rank that
+failed first, its exception and where it was raised. Every rank records every
 module's output and the gradient of every module output that receives one
 (:func:`flowlock.validate.trace.capture_step`), plus the latent input gradients, and writes them with
 its place in the layout: its data-parallel samples and its Ulysses rows.
@@ -31,61 +33,35 @@ from pathlib import Path
 
 import torch
 
-from flowlock.validate.layout import launch
+from flowlock.validate.layout_launch import Rank, describe_failures, launch, rank_failures, rank_summaries
+from flowlock.validate.layout_spec import ONE_PROCESS, ParallelLayout, parse_parallel_layout
 
-ONE_PROCESS = "ulysses=1"
-# Degrees the tiny H3 serves: 2 heads (4 for a Ulysses degree of 4), a batch of 2 samples.
-ULYSSES_DEGREES, DP_DEGREES = (1, 2, 4), (1, 2)
-SUPPORTED = ("ulysses=1", "ulysses=2", "ulysses=4", "dp=2", "dp=2,ulysses=2", "dp=2,ulysses=4")
 MODES = ("strict", "provider")
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
              torch.float16: torch.int16}
 
 
-def parse_layout(spec: str) -> tuple[int, int]:
-    """``"dp=D,ulysses=U"`` (either part optional, any order; ``check --layout``'s spelling) ->
-    ``(D, U)``. Raises ValueError naming the supported layouts for anything else."""
-    key = spec.replace(" ", "")
-    values = {"dp": 1, "ulysses": 1}
-    seen = set()
-    try:
-        for part in key.split(","):
-            name, _, value = part.partition("=")
-            if name not in values or name in seen or not value.isdigit():
-                raise ValueError
-            seen.add(name)
-            values[name] = int(value)
-    except ValueError:
-        values = {}
-    if not values or values["dp"] not in DP_DEGREES or values["ulysses"] not in ULYSSES_DEGREES:
-        raise ValueError(f"unknown layout {spec!r}; supported: {', '.join(SUPPORTED)}")
-    return values["dp"], values["ulysses"]
+class LayoutJobFailed(RuntimeError):
+    """A rank of a trace job failed: ``jobs`` maps each failed job (``layout`` / ``against``) to its
+    layout's name and :func:`~flowlock.validate.layout_launch.rank_failures`; ``str()`` says which rank
+    failed first, with what exception, raised where."""
+
+    def __init__(self, jobs: dict[str, tuple[str, list[Rank]]]):
+        self.jobs = {key: {"layout": name, "failures": rank_failures(ranks), "ranks": rank_summaries(ranks)}
+                     for key, (name, ranks) in jobs.items()}
+        lines = []
+        for key, job in self.jobs.items():
+            lines.append(f"flowlock trace --layout: the {key} job ({job['layout']}, {len(job['ranks'])} gloo "
+                         "ranks) failed")
+            lines += describe_failures(job["failures"])
+        super().__init__("\n".join(lines))
 
 
-def canonical(spec: str) -> str:
-    """The one spelling of a layout: ``ulysses=1``, ``ulysses=U``, ``dp=D`` or ``dp=D,ulysses=U``."""
-    dp, ulysses = parse_layout(spec)
-    parts = ([f"dp={dp}"] if dp > 1 else []) + ([f"ulysses={ulysses}"] if ulysses > 1 or dp == 1 else [])
-    return ",".join(parts)
-
-
-def layout_inputs(seq_len: int) -> dict:
-    """The traced batch: 2 samples of one packing of ``seq_len`` rows (24, 25 and 3 are the layout
-    suite's packings, uneven and zero-row shards included; other lengths ``layout_for_length``'s)."""
-    from flowlock.models.minimax_h3 import tiny_inputs
-    from flowlock.models.minimax_h3.layout import layout_for_length
-    from flowlock.validate.layout_worker import BATCH, LAYOUTS
-
-    known = {layout.seq_len: layout for layout in LAYOUTS}
-    return tiny_inputs(BATCH, seed=1, layout=known.get(seq_len) or layout_for_length(seq_len))
-
-
-def _run_job(key: str, spec: str, model_degree: int, runs: list[str], out: Path, worker, scenario: str,
-             timeout: float, results: dict) -> None:
-    dp, ulysses = parse_layout(spec)
+def _run_job(key: str, layout: ParallelLayout, model_degree: int, runs: list[str], out: Path, worker,
+             scenario: str, timeout: float, results: dict) -> None:
     out.mkdir(parents=True)
-    results[key] = launch(dp * ulysses, scenario, worker=worker, timeout=timeout,
-                          args=[str(out), spec, str(model_degree), *runs])
+    results[key] = launch(layout.world, scenario, worker=worker, timeout=timeout,
+                          args=[str(out), layout.name, str(model_degree), *runs])
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -200,8 +176,9 @@ def compare(reference: dict, ranks: list[dict]) -> dict:
     return report
 
 
-def trace_layouts(layout: str, against: str = ONE_PROCESS, *, runs: tuple[tuple[str, int], ...] = (("strict", 25),),
-                  timeout: float = 300.0, worker: str | Path | None = None, scenario: str = "trace") -> dict:
+def trace_layouts(layout: str, against: str = ONE_PROCESS.name, *,
+                  runs: tuple[tuple[str, int], ...] = (("strict", 25),), timeout: float = 300.0,
+                  worker: str | Path | None = None, scenario: str = "trace") -> dict:
     """Trace ``layout`` against ``against`` (one process); a JSON-able report with one entry per run
     of ``runs`` (``(mode, seq_len)``, or ``(mode, seq_len, plant)`` with a ``worker`` that knows the
     plant): ``divergence`` None (no module differs) or the first differing record: ``phase``,
@@ -209,40 +186,43 @@ def trace_layouts(layout: str, against: str = ONE_PROCESS, *, runs: tuple[tuple[
     full-sequence rows. ``ok``: no run of mode ``strict`` without a plant differs.
 
     ``worker`` / ``scenario``: the rank program (default :mod:`flowlock.validate.layout_worker`'s
-    ``trace``). Both layouts run every run in one job each, the two jobs at once. Raises ValueError for
-    an unknown layout or mode, RuntimeError with the ranks' output tails when a job fails.
+    ``trace``). Both layouts run every run in one job each, the two jobs at once. Raises ValueError,
+    before any job starts, for a layout the trace does not serve or an unknown mode;
+    :class:`LayoutJobFailed` when a rank of either job fails.
     """
     for run in runs:
         if run[0] not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {run[0]!r}")
-    layout, against = canonical(layout), canonical(against)
-    if parse_layout(against) != (1, 1):
-        raise ValueError(f"--against must be one process ({ONE_PROCESS}): each rank's rows are compared with the "
-                         f"one-process rows they stand for; got {against!r}")
-    dp, ulysses = parse_layout(layout)
+    traced, reference = parse_parallel_layout(layout, "trace"), parse_parallel_layout(against, "trace")
+    if reference != ONE_PROCESS:
+        raise ValueError(f"--against must be one process ({ONE_PROCESS.name}): each rank's rows are compared with "
+                         f"the one-process rows they stand for; got {reference.name!r}")
     names = [":".join(str(part) for part in run) for run in runs]
     results: dict = {}
-    specs = {"against": against, "layout": layout}
+    layouts = {"against": reference, "layout": traced}
     with tempfile.TemporaryDirectory(prefix="flowlock-trace-") as tmp:
         # Both jobs at once: most of a rank's wall time is importing torch and diffusers.
-        threads = [threading.Thread(target=_run_job, args=(key, spec, max(ulysses, 2), names, Path(tmp) / key,
-                                                           worker, scenario, timeout, results))
-                   for key, spec in specs.items()]
+        model_degree = max(traced.ulysses, 2)
+        threads = [threading.Thread(target=_run_job, args=(key, one, model_degree, names, Path(tmp) / key, worker,
+                                                           scenario, timeout, results))
+                   for key, one in layouts.items()]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        failed = [(key, i, r) for key, (ranks, _) in results.items() for i, r in enumerate(ranks)
-                  if r.returncode != 0]
-        if failed or len(results) != 2:
-            raise RuntimeError("flowlock trace --layout: a job failed:\n" + "\n".join(
-                f"[{key} {specs[key]} rank {i}, exit {r.returncode}]\n{r.output[-3000:]}" for key, i, r in failed))
-        reference = torch.load(Path(tmp) / "against" / "rank0.pt", weights_only=False)
-        ranks = [torch.load(Path(tmp) / "layout" / f"rank{r}.pt", weights_only=False) for r in range(dp * ulysses)]
+        failed = {key: (layouts[key].name, ranks) for key, (ranks, _) in results.items()
+                  if any(r.returncode != 0 for r in ranks)}
+        if failed:
+            raise LayoutJobFailed(failed)
+        if len(results) != len(layouts):
+            raise RuntimeError(f"flowlock trace --layout: the {', '.join(sorted(set(layouts) - set(results)))} job "
+                               "did not start (its error is above)")
+        whole = torch.load(Path(tmp) / "against" / "rank0.pt", weights_only=False)
+        ranks = [torch.load(Path(tmp) / "layout" / f"rank{r}.pt", weights_only=False) for r in range(traced.world)]
     reports = [{"run": name, "mode": run[0], "seq_len": run[1], "plant": run[2] if len(run) > 2 else None,
-                **compare(reference[name], [r[name] for r in ranks])} for name, run in zip(names, runs)]
+                **compare(whole[name], [r[name] for r in ranks])} for name, run in zip(names, runs)]
     ok = all(r["divergence"] is None for r in reports if r["mode"] == "strict" and r["plant"] is None)
-    return {"layout": layout, "against": against, "world": dp * ulysses,
+    return {"layout": traced.name, "against": reference.name, "world": traced.world,
             "wall_s": round(max(wall for _, wall in results.values()), 1), "runs": reports, "ok": ok}
 
 

@@ -1,4 +1,5 @@
-"""One rank of a ``flowlock check --layout`` job: ``python -m flowlock.validate.layout_worker SCENARIO``.
+"""One rank of a ``flowlock check --layout`` / ``trace --layout`` job: ``python -m flowlock.validate.layout_worker
+SCENARIO ARGS...``; :data:`flowlock.validate.layout_spec.PARALLEL_LAYOUTS` names each layout's scenario.
 
 Scenarios (gloo, the tiny H3; every rank also computes the one-process reference from the same seeded
 weights and inputs):
@@ -6,10 +7,12 @@ weights and inputs):
 * ``ulysses``: diffusers' ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``, N = world, at
   S = 24, 25 and 3 (uneven and zero-row shards);
 * ``fsdp_ulysses``: 4 ranks, FSDP2 over ``dp`` of a (dp 2, ring 1, ulysses 2) mesh, each data-parallel
-  group on its own sample.
+  group on its own sample;
+* ``exact_dp``: :mod:`flowlock.validate.layout_exact_dp`;
+* ``trace``: one rank of a ``trace --layout`` job (:func:`trace_layout`).
 
-Each checks that every rank's outputs, latent gradients and the gradients outside the sharded region
-are bitwise one process's, that the sharded region's gradients are the rank-order fold of the
+The checks assert that every rank's outputs, latent gradients and the gradients outside the sharded
+region are bitwise one process's, that the sharded region's gradients are the rank-order fold of the
 per-rank partials, and that they repeat; a failure exits non-zero with the traceback, success prints
 ``rank <r> ok``. On a CPU-only machine the worker presents the CPU as one accelerator: diffusers'
 ``enable_parallelism`` places rank r on device ``r % torch.accelerator.device_count()``, which is a
@@ -35,7 +38,8 @@ from flowlock.parallel.collectives import gather_from_ranks
 from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import assert_bitwise_equal
 from flowlock.validate.layout_exact_dp import check_exact_data_parallel
-from flowlock.validate.layout_models import BATCH, LATENTS, LAYOUTS, cp_model, local, model_for
+from flowlock.validate.layout_models import BATCH, LATENTS, PACKINGS, cp_model, local, model_for, traced_batch
+from flowlock.validate.layout_spec import parse_parallel_layout
 
 
 def init() -> int:
@@ -112,15 +116,15 @@ def check_layout_equals_one_process(ref, model, inputs, rows, sharded, what) -> 
 
 
 def check_ulysses(rank: int, extra=None) -> None:
-    """Ulysses N = world at every S of :data:`LAYOUTS`; then ``extra(ref, model, sharded)`` while both
+    """Ulysses N = world at every S of :data:`PACKINGS`; then ``extra(ref, model, sharded)`` while both
     models are still patched."""
     n = dist.get_world_size()
     ref, model = model_for(n), cp_model(n)
     sharded = {name for name, _ in h3_cp.row_sharded_parameters(model)}
     with flowlock.patch(ref), flowlock.patch(model):
-        for layout in LAYOUTS:
-            what = f"Ulysses {n}, S={layout.seq_len}, rank {rank}"
-            inputs = tiny_inputs(BATCH, seed=1, layout=layout)
+        for packing in PACKINGS:
+            what = f"Ulysses {n}, S={packing.seq_len}, rank {rank}"
+            inputs = tiny_inputs(BATCH, seed=1, layout=packing)
             grads, ref_grads = check_layout_equals_one_process(ref, model, inputs, slice(None), sharded, what)
             whole = sorted(set(grads) - sharded)
             assert whole and len(sharded) > len(whole)
@@ -135,7 +139,7 @@ def _all_grads(model) -> dict:
 
 
 def check_ulysses_exact(rank: int) -> None:
-    """Ulysses N = world under ``exact_parameter_gradients`` at every S of :data:`LAYOUTS` and with
+    """Ulysses N = world under ``exact_parameter_gradients`` at every S of :data:`PACKINGS` and with
     gradient-checkpointed blocks: outputs, latent gradients and every parameter gradient (after the
     no-op ``reduce_gradients``) bitwise one process's. The same comparison finds the default rank-order
     fold differing from one process, so it can tell the two apart."""
@@ -145,11 +149,11 @@ def check_ulysses_exact(rank: int) -> None:
         m.enable_gradient_checkpointing()
     for m in (model, ckpt):
         h3_cp.exact_parameter_gradients(m)
-    cases = [(ref, model, layout, "") for layout in LAYOUTS] + [(ckpt_ref, ckpt, LAYOUTS[1], ", checkpointed")]
+    cases = [(ref, model, packing, "") for packing in PACKINGS] + [(ckpt_ref, ckpt, PACKINGS[1], ", checkpointed")]
     with flowlock.patch(ref), flowlock.patch(model), flowlock.patch(ckpt_ref), flowlock.patch(ckpt):
-        for one, layered, layout, how in cases:
-            what = f"Ulysses {n} exact, S={layout.seq_len}{how}, rank {rank}"
-            inputs = tiny_inputs(BATCH, seed=1, layout=layout)
+        for one, layered, packing, how in cases:
+            what = f"Ulysses {n} exact, S={packing.seq_len}{how}, rank {rank}"
+            inputs = tiny_inputs(BATCH, seed=1, layout=packing)
             expected, ref_grads = forward_backward(one, inputs)
             with flowlock.mode("strict") as frame:
                 got, _ = forward_backward(layered, inputs)
@@ -163,7 +167,7 @@ def check_ulysses_exact(rank: int) -> None:
                                  what + " parameter gradients")
             print(f"{what}: all {len(names)} parameter gradients equal one process", flush=True)
         h3_cp.exact_parameter_gradients(model, False)
-        inputs = tiny_inputs(BATCH, seed=1, layout=LAYOUTS[1])
+        inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
         _, ref_grads = forward_backward(ref, inputs)
         forward_backward(model, inputs)
         h3_cp.reduce_gradients(model)
@@ -209,31 +213,31 @@ def check_fsdp_ulysses(rank: int):
     sharded = {name for name, _ in h3_cp.row_sharded_parameters(model)}
     shard_over_dp(model, mesh["dp"])
     with flowlock.patch(ref), flowlock.patch(model):
-        for layout in LAYOUTS[:2]:
-            what = f"FSDP2 dp 2 x Ulysses 2, S={layout.seq_len}, rank {rank}"
-            check_layout_equals_one_process(ref, model, tiny_inputs(BATCH, seed=1, layout=layout),
+        for packing in PACKINGS[:2]:
+            what = f"FSDP2 dp 2 x Ulysses 2, S={packing.seq_len}, rank {rank}"
+            check_layout_equals_one_process(ref, model, tiny_inputs(BATCH, seed=1, layout=packing),
                                             slice(dp, dp + 1), sharded, what)
     return mesh
 
 
 def trace_layout(rank: int, out_dir: str, spec: str, model_degree: str, *runs: str, plants: dict | None = None
                  ) -> None:
-    """One rank of a ``flowlock trace --layout`` job under layout ``spec`` (``dp=D,ulysses=U``;
-    :func:`flowlock.validate.layout_trace.parse_layout`), ``model_degree`` picking the model
+    """One rank of a ``flowlock trace --layout`` job under the parallel layout ``spec`` (a traced row of
+    :data:`~flowlock.validate.layout_spec.PARALLEL_LAYOUTS`), ``model_degree`` picking the model
     (:func:`model_for`) so that both layouts of a trace hold the same weights.
 
-    Each of ``runs`` (``MODE:SEQ_LEN[:PLANT]``) is one forward and backward of the batch of
-    :func:`flowlock.validate.layout_trace.layout_inputs` in ``MODE``, recording every module's output,
+    Each of ``runs`` (``MODE:SEQ_LEN[:PLANT]``) is one forward and backward of
+    :func:`~flowlock.validate.layout_models.traced_batch` in ``MODE``, recording every module's output,
     the gradient of every module output (:func:`flowlock.validate.trace.capture_step`) and the latent
     input gradients; inside ``plants[PLANT]()`` (a context manager; tests plant faults this way) when
     named. Written with this rank's place in the layout to ``out_dir/rank<r>.pt``."""
     from flowlock.parallel import RowShards
-    from flowlock.validate.layout_trace import layout_inputs, parse_layout
     from flowlock.validate.trace import Record, capture_step
 
-    dp, ulysses = parse_layout(spec)
-    if dist.get_world_size() != dp * ulysses:
-        raise ValueError(f"layout {spec} needs {dp * ulysses} ranks, the job has {dist.get_world_size()}")
+    layout = parse_parallel_layout(spec, "trace")
+    dp, ulysses = layout.dp, layout.ulysses
+    if dist.get_world_size() != layout.world:
+        raise ValueError(f"layout {layout.name} needs {layout.world} ranks, the job has {dist.get_world_size()}")
     dp_rank, ulysses_rank = divmod(rank, ulysses)
     model = model_for(int(model_degree))
     mesh = init_device_mesh("cpu", (dp, 1, ulysses), mesh_dim_names=("dp", "ring", "ulysses")) if dp > 1 else None
@@ -246,7 +250,7 @@ def trace_layout(rank: int, out_dir: str, spec: str, model_degree: str, *runs: s
     saved = {}
     for run in runs:
         mode, seq_len, *plant = run.split(":")
-        inputs = layout_inputs(int(seq_len))
+        inputs = traced_batch(int(seq_len))
         latent_grads = []
 
         def step(mode=mode, inputs=inputs, latent_grads=latent_grads):
@@ -259,7 +263,7 @@ def trace_layout(rank: int, out_dir: str, spec: str, model_degree: str, *runs: s
             stack.enter_context(flowlock.patch(model))
             forward, backward = capture_step(model, step)
         backward += [Record(f"<input {name}>", (g,)) for name, g in zip(LATENTS, latent_grads)]
-        meta = dict(rank=rank, world=dp * ulysses, dp=dp, ulysses=ulysses, dp_rank=dp_rank,
+        meta = dict(rank=rank, world=layout.world, dp=dp, ulysses=ulysses, dp_rank=dp_rank,
                     ulysses_rank=ulysses_rank, seq_len=int(seq_len), batch=BATCH, batch_start=rows.start,
                     local_batch=per_dp, rows=list(RowShards(int(seq_len), ulysses, ulysses_rank).bounds()))
         saved[run] = {"meta": meta, **{phase: [(r.name, list(r.outputs)) for r in records]
