@@ -95,7 +95,7 @@ class PatchHandle:
     """What one plan changed on one model; :meth:`remove` undoes it exactly.
 
     ``mode`` is the mode the patched code runs in; ``fallbacks`` collects the audit fallbacks it
-    made when it ran in a mode frame of its own (see ``flowlock.models.minimax_h3.patch``).
+    made when it ran in a mode frame of its own (see ``flowlock.models.common.patched_forward``).
     """
 
     mode: str

@@ -340,7 +340,7 @@ def _lora_trainer():
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from flowlock.models.minimax_h3.lora import is_peft_lora
+    from flowlock.models.common.peft_lora import is_peft_lora
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj",
                                                            "ff.net.2"],

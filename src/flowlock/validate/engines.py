@@ -229,7 +229,7 @@ def _synced_lora(diffusers_model, native_model, rank: int = 8, seed: int = 3) ->
     from peft.utils import get_peft_model_state_dict
 
     from flowlock.integrations.vllm_omni.lora import add_lora_to_engine, map_lora_update_to_engine
-    from flowlock.models.minimax_h3.lora import is_peft_lora
+    from flowlock.models.common.peft_lora import is_peft_lora
 
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["to_q", "to_k", "to_v", "to_out.0",
                                                                      "ff.net.0.proj", "ff.net.2"])

@@ -46,7 +46,7 @@ from flowlock.integrations.vllm_omni.lora import is_lora_layer, lora_reason
 from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
 from flowlock.integrations.vllm_omni.sequence_parallel import SP_PLAN_MODULES
 from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
-from flowlock.modes import fallback_or_raise
+from flowlock.models.common.run_context import RunDecisions
 
 LINEAR_CLASSES = (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear, MergedColumnParallelLinear)
 # Backends whose result is exact softmax attention (up to their own rounding): the strict path
@@ -88,15 +88,15 @@ def hook_reason(module: nn.Module) -> str | None:
     return f"vLLM-Omni hooks {hooks} are installed" if hooks else None
 
 
-class NativeRun:
-    """One forward's decisions: which modules run their own forward (audit fallbacks), and whether
-    ops range-check indices (a submodule called on its own) or the root validated them already."""
+class NativeRun(RunDecisions):
+    """One vLLM-Omni H3 forward's decisions (:class:`~flowlock.models.common.run_context.RunDecisions`)
+    and the TP / Ulysses operations install() set up on its root."""
+
+    scope = "vllm_omni minimax_h3"
+    root_name = "<root>"
 
     def __init__(self, check_indices: bool, root: nn.Module):
-        self.fallback: set[int] = set()
-        self.check_indices = check_indices
-        self._root = root
-        self._names: dict[int, str] | None = None
+        super().__init__(check_indices, root)
         # TP > 1 operations install() set up on this module (None at TP = 1: no TP code runs)
         self.tp = getattr(root, TP_ATTRIBUTE, None)
         self.tp_size = 1 if self.tp is None else self.tp.degree
@@ -218,15 +218,3 @@ class NativeRun:
         for module in (mlp.fc1, mlp.fc2):
             self._check(module, linear_reason(module, biased=False, lora=True, tp_size=self.tp_size), fallback=mlp)
 
-    def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None) -> None:
-        if reason is None:
-            return
-        if self._names is None:
-            # walked only when a check fails, so a passing forward does not pay for named_modules()
-            self._names = {id(m): n for n, m in self._root.named_modules()}
-        fallback_or_raise(f"vllm_omni minimax_h3 {self._names.get(id(module), type(module).__name__) or '<root>'}",
-                          reason)
-        self.fallback.add(id(fallback if fallback is not None else module))
-
-    def runs_own(self, module: nn.Module) -> bool:
-        return id(module) in self.fallback

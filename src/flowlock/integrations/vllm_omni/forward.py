@@ -37,7 +37,6 @@ install()) the GEMMs over vLLM's weight shards go through
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 
 import torch
@@ -46,7 +45,8 @@ from torch import nn
 from flowlock.integrations.vllm_omni.coverage import NativeRun
 from flowlock.integrations.vllm_omni.inputs import documents, parse_inputs
 from flowlock.integrations.vllm_omni.lora import add_lora
-from flowlock.models.minimax_h3.strict import STRICT_MARK, rope_cos_sin
+from flowlock.models.common.run_context import call_with_run
+from flowlock.models.minimax_h3.strict import rope_cos_sin
 from flowlock.modes import mode
 from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
@@ -71,27 +71,6 @@ class RopeTables(NamedTuple):
 
     cos: torch.Tensor
     sin: torch.Tensor
-
-
-_ACTIVE = threading.local()
-
-
-def active_run() -> NativeRun | None:
-    """The decisions of the strict root forward currently calling a submodule, if any."""
-    return getattr(_ACTIVE, "run", None)
-
-
-def call_with_run(run: NativeRun, module: nn.Module, *args, **kwargs):
-    """Call the patched ``module`` through ``__call__`` (its hooks run) with ``run`` active."""
-    if not getattr(module.forward, STRICT_MARK, False):
-        raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: install the adapter with "
-                           "flowlock.integrations.vllm_omni.install(model)")
-    previous = active_run()
-    _ACTIVE.run = run
-    try:
-        return module(*args, **kwargs)
-    finally:
-        _ACTIVE.run = previous
 
 
 def rope_from_table(table: torch.Tensor) -> RopeTables:

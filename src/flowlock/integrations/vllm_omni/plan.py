@@ -24,7 +24,8 @@ from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_AT
 from flowlock.integrations.vllm_omni.sequence_parallel import NativeUlysses
 from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
 from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel
-from flowlock.models.minimax_h3.patch import make_patched_forward
+from flowlock.models.common.patched_forward import make_patched_forward
+from flowlock.models.common.run_context import active_run
 from flowlock.patching import PatchEntry, PatchHandle
 
 _LINEARS = ("video_patch_proj", "audio_patch_proj", "condition_proj", "final_layer.video_out",
@@ -37,7 +38,7 @@ def _model_call(model, arguments, stock):
 
 def _module_call(strict_fn):
     def call(module, arguments, stock):
-        run = strict.active_run() or NativeRun.for_module(module)
+        run = active_run() or NativeRun.for_module(module)
         if run.runs_own(module):
             return stock()
         return strict_fn(run, module, **arguments)
@@ -45,7 +46,7 @@ def _module_call(strict_fn):
 
 
 def _linear_call(module, arguments, stock):
-    run = strict.active_run() or NativeRun.for_module(module)
+    run = active_run() or NativeRun.for_module(module)
     if run.runs_own(module):
         return stock()
     (x,) = arguments.values()
