@@ -55,9 +55,9 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMax
 from vllm_omni_env import build_native, ensure_runtime, native_config, vllm_config  # noqa: E402
 
 import flowlock  # noqa: E402
-import flowlock.integrations.vllm_omni.forward as native_forward  # noqa: E402
+import flowlock.integrations.vllm_omni.minimax_h3.forward as native_forward  # noqa: E402
 from flowlock.integrations.vllm_omni import install  # noqa: E402
-from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel  # noqa: E402
+from flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel import NativeTensorParallel  # noqa: E402
 from flowlock.models.minimax_h3 import make_h3  # noqa: E402
 from flowlock.ops.linear import linear  # noqa: E402
 from flowlock.parallel.ports import free_local_port  # noqa: E402

@@ -41,7 +41,6 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.embeddings import TimestepEmbedding
 from diffusers.models.modeling_utils import get_parameter_dtype
 from diffusers.models.transformers.transformer_minimax_h3 import (
-    MINIMAX_H3_MODALITY_NUM,
     MiniMaxH3AdaLayerNormOut,
     MiniMaxH3AttnProcessor,
     MiniMaxH3TokenRefinerBlock,
@@ -55,6 +54,7 @@ from flowlock.models.common.module_class import module_class
 from flowlock.models.common.peft_lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
 from flowlock.models.common.run_context import STRICT_MARK, RunDecisions, call_with_run, is_strict, kept_slot
 from flowlock.models.minimax_h3.context_parallel import sequence_plan
+from flowlock.models.minimax_h3.skeleton import MODALITIES, block_body, refiner_body
 from flowlock.models.minimax_h3.structure import validate_structure
 from flowlock.modes import StrictModeError, fallback_or_raise
 from flowlock.ops._kernel_op import kernel_op
@@ -70,9 +70,6 @@ from flowlock.ops.rows import gather_rows, scatter_rows
 from flowlock.ops.swiglu import swiglu
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
 from flowlock.parallel import UlyssesSequence
-
-# Column order of the (3T, 6H) AdaLN table (diffusers' chunk order).
-SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP = range(6)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,26 +345,56 @@ class KeptTable:
         self.table: torch.Tensor | None = None
 
 
+class _RefinerSteps:
+    """The diffusers steps of a token-refiner block (:class:`~flowlock.models.minimax_h3.skeleton.RefinerSteps`):
+    replicated text rows, so attention stays local under context parallelism."""
+
+    def __init__(self, run: Run, block: nn.Module):
+        self.run, self.block = run, block
+
+    def norm(self, norm, x):
+        return self.run.rms_norm(norm, x)
+
+    def attend(self, x):
+        return self.run.attention(self.block.attn, x, None, sharded_rows=False)
+
+    def feed_forward(self, x):
+        return self.run.feed_forward(self.block.ff, x)
+
+
 def refiner_block_forward(run: Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``MiniMaxH3TokenRefinerBlock.forward`` on flowlock ops: (B, Nt, hidden) bf16 -> same."""
-    # A plain bf16 add is bitwise what eager does, and elementwise, so it is batch-invariant.
-    x = x + run.attention(block.attn, run.rms_norm(block.norm1, x), None, sharded_rows=False)
-    return x + run.feed_forward(block.ff, run.rms_norm(block.norm2, x))
+    return refiner_body(_RefinerSteps(run, block), block, x)
+
+
+class _BlockSteps:
+    """The diffusers steps of a DiT block (:class:`~flowlock.models.minimax_h3.skeleton.BlockSteps`):
+    peft LoRA and hooks served through :class:`Run`, the rows sharded under context parallelism."""
+
+    def __init__(self, run: Run, block: nn.Module, temb: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor]):
+        self.run, self.block, self.temb, self.rotary_emb = run, block, temb, rotary_emb
+
+    def table(self):
+        return _block_table(self.block.adaln_proj.linear, self.temb)
+
+    def modulate(self, norm, x, shift, scale, index):
+        return _modulate(self.run, norm, x, shift, scale, index)
+
+    def attend(self, x):
+        return self.run.attention(self.block.attn, x, self.rotary_emb, sharded_rows=True)
+
+    def feed_forward(self, x):
+        return self.run.feed_forward(self.block.ff, x, sharded_rows=True)
+
+    def gate(self, x, gate, y, index):
+        return _gate_residual(self.run, x, gate, y, index)
 
 
 def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
                   rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``MiniMaxH3TransformerBlock.forward`` on flowlock ops: x (B, S, hidden) bf16, temb (T, E) fp32,
     adaln_indices (S,) in [0, 3T), rotary_emb (cos, sin) (S, R) fp32 -> (B, S, hidden) bf16."""
-    table = _block_table(block.adaln_proj.linear, temb)
-    hidden = x.shape[-1]
-    chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
-    normed = _modulate(run, block.norm1, x, chunk[SHIFT_MSA], chunk[SCALE_MSA], adaln_indices)
-    attn_out = run.attention(block.attn, normed, rotary_emb, sharded_rows=True)
-    x = _gate_residual(run, x, chunk[GATE_MSA], attn_out, adaln_indices)
-    normed = _modulate(run, block.norm2, x, chunk[SHIFT_MLP], chunk[SCALE_MLP], adaln_indices)
-    ff_out = run.feed_forward(block.ff, normed, sharded_rows=True)
-    return _gate_residual(run, x, chunk[GATE_MLP], ff_out, adaln_indices)
+    return block_body(_BlockSteps(run, block, temb, rotary_emb), block, x, adaln_indices)
 
 
 def _block_table(proj: nn.Module, temb: torch.Tensor) -> torch.Tensor:
@@ -496,7 +523,7 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
                      [text_indices, video_indices, audio_indices], seq_len, check_indices=False)
 
     temb = _time_embedding(run, model, timestep)
-    adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
+    adaln_indices = timestep_indices * MODALITIES + token_tags
 
     if sequence is not None:
         x, adaln_indices, cos, sin, timestep_indices = (sequence.shard(t, dim) for t, dim in (

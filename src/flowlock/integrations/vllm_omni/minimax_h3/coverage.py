@@ -1,7 +1,7 @@
 """What the strict path can compute for a vLLM-Omni ``MiniMaxH3DiTModel``, decided before any op runs.
 
 Served: vLLM's unquantized parallel linears at TP = 1, or at the TP degree install() set up
-(:mod:`flowlock.integrations.vllm_omni.tensor_parallel`), with H3's biases (patch, condition, time,
+(:mod:`flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel`), with H3's biases (patch, condition, time,
 AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's diffusion LoRA wrappers
 on q/k/v, out, fc1 and fc2 at any TP degree (:mod:`flowlock.integrations.vllm_omni.lora`), vLLM-Omni's
 ``RMSNorm``, and dense softmax attention whatever dense backend vLLM-Omni resolved (flowlock
@@ -24,13 +24,7 @@ from __future__ import annotations
 import math
 
 from torch import nn
-from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    UnquantizedLinearMethod,
-)
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm_omni.diffusion.layers.norm import RMSNorm
 from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
     MiniMaxH3Attention,
@@ -42,13 +36,13 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
     MiniMaxH3TokenRefinerBlock,
 )
 
+from flowlock.integrations.vllm_omni.layers import LINEAR_CLASSES
 from flowlock.integrations.vllm_omni.lora import is_lora_layer, lora_reason
-from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
-from flowlock.integrations.vllm_omni.sequence_parallel import SP_PLAN_MODULES
-from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel import SP_PLAN_MODULES
+from flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
 from flowlock.models.common.run_context import RunDecisions
 
-LINEAR_CLASSES = (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear, MergedColumnParallelLinear)
 # Backends whose result is exact softmax attention (up to their own rounding): the strict path
 # computes that with flowlock's attention instead.
 DENSE_BACKENDS = frozenset({"FLASH_ATTN", "FLASH_ATTN_HUB", "FLASH_ATTN_3_HUB", "CUDNN_ATTN", "SDPA",
