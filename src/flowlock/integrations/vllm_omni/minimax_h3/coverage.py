@@ -149,8 +149,10 @@ class NativeRun(RunDecisions):
         return None
 
     def _check_time_embedder(self, embedder: nn.Module) -> None:
-        if embedder.frequency_embedding_size != 256:
-            self._check(embedder, "timestep_sinusoid serves a 256-wide sinusoid only")
+        width = embedder.frequency_embedding_size
+        if width < 2 or width % 2:
+            # the diffusers strict path's rule too (timestep_sinusoid: any even width; H3 builds 256)
+            self._check(embedder, f"timestep_sinusoid serves an even sinusoid width >= 2, got {width}")
             return
         for module in (embedder.proj_in, embedder.proj_out):
             self._check(module, linear_reason(module, biased=True, tp_size=self.tp_size), fallback=embedder)

@@ -240,10 +240,11 @@ class _BlockSteps:
 
 
 def time_embedder_forward(run: NativeRun, embedder: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    """``MiniMaxH3TimeEmbedder.forward``: ``(M,)`` float32 in [0, 1] -> ``(M, E)`` float32."""
+    """``MiniMaxH3TimeEmbedder.forward``: ``(M,)`` float32 in [0, 1] -> ``(M, E)`` float32 (a sinusoid of
+    ``frequency_embedding_size`` channels, cos first, as diffusers' ``Timesteps`` of that width)."""
     p, q = embedder.proj_in, embedder.proj_out
     weights = (p.weight, p.bias, q.weight, q.bias) if run.tp is None else run.tp.time_embedder_weights(embedder)
-    sinusoid = timestep_sinusoid(t, check_range=run.check_indices)
+    sinusoid = timestep_sinusoid(t, channels=embedder.frequency_embedding_size, check_range=run.check_indices)
     return timestep_mlp(sinusoid, *weights)
 
 
@@ -268,10 +269,10 @@ def _model_rope(model: nn.Module, inputs) -> RopeTables:
 
     The table is always BF16 (vLLM-Omni builds it so and its forward refuses another dtype). Where
     the attention runs in BF16, ``qk_norm_rope`` rounds cos / sin to BF16 first, so the table gives
-    the positions' bits and is used as given. In an FP32 model cos / sin stay FP32, as diffusers
-    computes them: the table would round them, so RoPE comes from ``img_position_ids`` and the table
-    is only checked (once per table) to be the BF16 table of those positions; any other raises
-    ValueError."""
+    the positions' bits and is used as given. In an FP32 (or FP16) model cos / sin stay FP32 (or round
+    to FP16), as diffusers computes them: the BF16 table would round them to BF16, so RoPE comes from
+    ``img_position_ids`` and the table is only checked (once per table) to be the BF16 table of those
+    positions; any other raises ValueError."""
     inv_freq, positions = model.rope.inv_freq, inputs.img_position_ids
 
     def from_positions() -> RopeTables:
@@ -286,8 +287,8 @@ def _model_rope(model: nn.Module, inputs) -> RopeTables:
     rope = from_positions()
     if not memoized_over([table, positions, inv_freq], "h3_rope_table_of_positions",
                          lambda: torch.equal(table, _native_table(rope))):
-        raise ValueError("rope_table is not the BF16 table vLLM-Omni prepares from img_position_ids; an FP32 model "
-                         "takes RoPE from the positions, at FP32 (a BF16 table would round cos / sin)")
+        raise ValueError("rope_table is not the BF16 table vLLM-Omni prepares from img_position_ids; a model not in "
+                         "BF16 takes RoPE from the positions, at FP32 (a BF16 table would round cos / sin)")
     return rope
 
 
