@@ -32,7 +32,7 @@ class BlockSteps(Protocol):
 
     def modulate(self, norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                  index: torch.Tensor) -> torch.Tensor:
-        """``norm(x) * (1 + scale[index]) + shift[index]`` (bf16 rows)."""
+        """``norm(x) * (1 + scale[index]) + shift[index]``, in the rows' dtype."""
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
         """The block's attention on its modulated rows (same shape)."""
@@ -59,8 +59,9 @@ class RefinerSteps(Protocol):
 
 def block_body(steps: BlockSteps, block: nn.Module, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """An H3 DiT block: table -> six chunks -> modulate -> attention -> gated residual -> modulate ->
-    feed-forward -> gated residual. ``x``: the block's rows, hidden last (bf16); ``index``: each
-    row's AdaLN table row. ``block.norm1`` / ``block.norm2`` are the two norms (both engines' name)."""
+    feed-forward -> gated residual. ``x``: the block's rows, hidden last, in the model's compute dtype
+    (bf16 for H3); ``index``: each row's AdaLN table row. ``block.norm1`` / ``block.norm2`` are the two
+    norms (both engines name them so)."""
     table = steps.table()
     hidden = x.shape[-1]
     chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(CHUNKS)]
