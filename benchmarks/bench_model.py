@@ -86,7 +86,7 @@ KERNEL_GROUPS = (("attention", ("attention", "attn", "flash", "fmha", "sdpa", "c
 # Which forward runs is set by Paths.use (the patch attached or detached), not by a flowlock mode, so
 # stock is timed with no flowlock wrapper in its call path at all (provider mode would also give
 # stock arithmetic: the patch carries the caller's mode into the CUDA autograd threads'
-# gradient-checkpoint recomputation, models/minimax_h3/patch.py).
+# gradient-checkpoint recomputation, models/common/patched_forward.py).
 MODE = "strict"
 
 

@@ -9,7 +9,7 @@ vLLM-Omni's own ``load_weights``. Requests are laid out by vLLM-Omni's packer
   instance inside ``flowlock.mode("provider")``), same process, alternating order;
 * engine invariance: the request alone and packed with a second request, vLLM-Omni + flowlock
   against diffusers + flowlock (``flowlock.patch``) on each request replayed alone
-  (``flowlock.integrations.vllm_omni.replay``): mismatching elements of video and audio velocities
+  (``flowlock.integrations.vllm_omni.minimax_h3.replay``): mismatching elements of video and audio velocities
   (0 expected), and the same counts for vLLM-Omni stock against diffusers stock, for contrast
   (packed only on a GPU);
 * the attention backend vLLM-Omni resolved for each role.
@@ -79,7 +79,7 @@ def native_kwargs(requests) -> dict:
 
 def mismatches(native, diffusers, kwargs: dict, mode: str) -> list[dict]:
     """Per request: elements of (video, audio) where the packed native forward and diffusers differ."""
-    from flowlock.integrations.vllm_omni.replay import diffusers_requests
+    from flowlock.integrations.vllm_omni.minimax_h3.replay import diffusers_requests
     from flowlock.testing import mismatch_count
 
     with torch.no_grad(), flowlock.mode(mode):

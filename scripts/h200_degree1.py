@@ -374,7 +374,7 @@ def rollout_variant(args, device, base, config, report: dict) -> None:
         import bench_vllm_omni
 
         from flowlock.integrations.vllm_omni import install
-        from flowlock.integrations.vllm_omni.replay import diffusers_requests
+        from flowlock.integrations.vllm_omni.minimax_h3.replay import diffusers_requests
         from flowlock.testing import mismatch_count
 
         native, vllm_config = build_native(config, base.state_dict(), device, args.tiny)

@@ -129,7 +129,7 @@ def rank_record(args, device: torch.device) -> dict:
     import bench_vllm_omni
 
     from flowlock.integrations.vllm_omni import install
-    from flowlock.integrations.vllm_omni.replay import diffusers_requests
+    from flowlock.integrations.vllm_omni.minimax_h3.replay import diffusers_requests
     from flowlock.integrations.vllm_omni.runtime import build_native
     from flowlock.models.minimax_h3 import make_h3
 

@@ -1,5 +1,7 @@
 """Layers point down only: every flowlock -> flowlock import (module level or inside a function)
-goes from a package to one strictly below it, so the packages form no circle."""
+goes from a package to one strictly below it, so the packages form no circle. Inside ``models`` and
+``integrations`` the generic machinery ranks below the model families' wings, so no generic room
+imports a family."""
 
 import ast
 import pathlib
@@ -7,7 +9,8 @@ import pathlib
 import flowlock
 
 SRC = pathlib.Path(flowlock.__file__).parent
-# Lower rank = lower layer. A module may import its own package and anything of lower rank.
+# Lower rank = lower layer. A module may import its own package and anything of lower rank. A module
+# belongs to the longest package named here that contains it (else to flowlock.<its top package>).
 RANK = {
     "flowlock.modes": 0,
     "flowlock.dispatch": 1,
@@ -20,16 +23,22 @@ RANK = {
     "flowlock.rl": 5,
     "flowlock.parallel": 5,
     "flowlock.checkpoint": 5,
-    "flowlock.models": 6,
-    "flowlock": 7,
-    "flowlock.integrations": 8,
-    "flowlock.validate": 9,
-    "flowlock.cli": 10,
-    "flowlock.__main__": 11,
+    "flowlock.models.common": 6,
+    "flowlock.models": 7,
+    "flowlock": 8,
+    "flowlock.integrations": 9,
+    "flowlock.integrations.vllm_omni.minimax_h3": 10,
+    "flowlock.validate": 11,
+    "flowlock.cli": 12,
+    "flowlock.__main__": 13,
 }
 
 
 def _package(module: str) -> str:
+    ranked = [name for name in RANK if module == name or module.startswith(name + ".")]
+    ranked = [name for name in ranked if name != "flowlock" or module == "flowlock"]
+    if ranked:
+        return max(ranked, key=len)
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 else module
 
@@ -72,6 +81,18 @@ def test_the_check_sees_an_upward_import(tmp_path):
     planted.parent.mkdir(parents=True)
     planted.write_text("def f():\n    from flowlock.models.minimax_h3 import tiny_h3\n")
     assert _upward_imports(tmp_path / "flowlock") == ["flowlock/rl/planted.py:2 flowlock.rl -> flowlock.models"]
+
+
+def test_the_check_sees_generic_machinery_importing_a_family(tmp_path):
+    for room, family in (("models/common", "flowlock.models.minimax_h3.strict"),
+                         ("integrations/vllm_omni", "flowlock.integrations.vllm_omni.minimax_h3.forward")):
+        planted = tmp_path / "flowlock" / room / "planted.py"
+        planted.parent.mkdir(parents=True)
+        planted.write_text(f"import {family}\n")
+    assert _upward_imports(tmp_path / "flowlock") == [
+        "flowlock/integrations/vllm_omni/planted.py:1 flowlock.integrations -> "
+        "flowlock.integrations.vllm_omni.minimax_h3",
+        "flowlock/models/common/planted.py:1 flowlock.models.common -> flowlock.models"]
 
 
 # torch.distributed calls that move data between ranks, and the DTensor methods that issue them

@@ -95,7 +95,7 @@ class PatchHandle:
     """What one plan changed on one model; :meth:`remove` undoes it exactly.
 
     ``mode`` is the mode the patched code runs in; ``fallbacks`` collects the audit fallbacks it
-    made when it ran in a mode frame of its own (see ``flowlock.models.minimax_h3.patch``).
+    made when it ran in a mode frame of its own (see ``flowlock.models.common.patched_forward``).
     """
 
     mode: str
@@ -203,14 +203,28 @@ def register_plan(model_class: str, builder: str) -> None:
     _PLANS[(module, name)] = builder
 
 
-def _plan_builder(model: nn.Module):
+def patch_registered(plans: dict[tuple[str, str], str], model: nn.Module, mode: str, entry: str) -> PatchHandle:
+    """Apply the plan ``plans`` registers for ``model``'s class or its nearest registered base class
+    (``(class module, class qualified name) -> "package.module:function"``, imported now) in ``mode``.
+
+    Raises ValueError for a mode other than ``"strict"`` / ``"audit"``, TypeError naming ``entry`` (the
+    public function refusing), the supported classes and ``model``'s class when none is registered.
+    """
+    if mode not in ("strict", "audit"):
+        raise ValueError(f"mode must be 'strict' or 'audit', got {mode!r}")
+    build_plan = _registered_builder(plans, model, entry)
+    handle = PatchHandle(mode)
+    return apply_plan(model, build_plan(model, handle), handle)
+
+
+def _registered_builder(plans: dict[tuple[str, str], str], model: nn.Module, entry: str):
     for cls in type(model).__mro__:
-        builder = _PLANS.get((cls.__module__, cls.__qualname__))
+        builder = plans.get((cls.__module__, cls.__qualname__))
         if builder is not None:
             module, _, function = builder.partition(":")
             return getattr(importlib.import_module(module), function)
-    supported = ", ".join(sorted(name for _, name in _PLANS)) or "none registered"
-    raise TypeError(f"flowlock.patch supports {supported}, got {type(model).__name__}")
+    supported = ", ".join(sorted(name for _, name in plans)) or "none registered"
+    raise TypeError(f"{entry} supports {supported}, got {type(model).__name__}")
 
 
 def patch(model: nn.Module, mode: str = "strict") -> PatchHandle:
@@ -223,8 +237,4 @@ def patch(model: nn.Module, mode: str = "strict") -> PatchHandle:
     buffers and the module tree are not touched. Supported: the classes whose family registered a
     plan (:mod:`flowlock.models`: diffusers' ``MiniMaxH3Transformer3DModel``).
     """
-    if mode not in ("strict", "audit"):
-        raise ValueError(f"mode must be 'strict' or 'audit', got {mode!r}")
-    build_plan = _plan_builder(model)
-    handle = PatchHandle(mode)
-    return apply_plan(model, build_plan(model, handle), handle)
+    return patch_registered(_PLANS, model, mode, "flowlock.patch")

@@ -11,7 +11,7 @@ import json
 from vllm_omni_env import ensure_runtime
 
 import flowlock
-import flowlock.integrations.vllm_omni.forward as native_forward
+import flowlock.integrations.vllm_omni.minimax_h3.forward as native_forward
 from flowlock.cli import main
 from flowlock.integrations.vllm_omni import install
 from flowlock.integrations.vllm_omni.runtime import native_from_diffusers

@@ -15,8 +15,9 @@ import torch
 from engine_inputs import diffusers_kwargs, make_request, native_kwargs, request_rows
 
 import flowlock
-import flowlock.integrations.vllm_omni.forward as native_forward
-from flowlock.integrations.vllm_omni.replay import diffusers_requests
+import flowlock.integrations.vllm_omni.minimax_h3.forward as native_forward
+import flowlock.models.minimax_h3.strict as diffusers_strict
+from flowlock.integrations.vllm_omni.minimax_h3.replay import diffusers_requests
 from flowlock.rl import cps_step, joint_log_prob, noise
 from flowlock.testing import assert_bitwise_equal, assert_repeatable
 
@@ -172,6 +173,24 @@ def test_harness_catches_fc1_halves_left_in_native_order(engines, monkeypatch):
     request = make_request(seed=1, seq_len=25, dtype=dtype)
     swiglu = native_forward.swiglu
     monkeypatch.setattr(native_forward, "swiglu", lambda h: swiglu(torch.cat(h.chunk(2, dim=-1)[::-1], dim=-1)))
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        assert_bitwise_equal(_native(native, [request]), _diffusers(diffusers, request))
+
+
+def _one_ulp_up(t):
+    # every element's bit pattern + 1: one ulp away from the value (for these finite activations)
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[t.dtype]
+    return (t.view(bits) + 1).view(t.dtype)
+
+
+@pytest.mark.parametrize("engine", ["diffusers", "vllm-omni"])
+def test_harness_catches_one_ulp_in_either_engines_feed_forward(engines, monkeypatch, engine):
+    # the shared block body holds only the order; each engine's own steps still decide the bits
+    diffusers, native, dtype = engines
+    request = make_request(seed=1, seq_len=25, dtype=dtype)
+    module = diffusers_strict if engine == "diffusers" else native_forward
+    swiglu = module.swiglu
+    monkeypatch.setattr(module, "swiglu", lambda h: _one_ulp_up(swiglu(h)))
     with pytest.raises(AssertionError, match="not bitwise equal"):
         assert_bitwise_equal(_native(native, [request]), _diffusers(diffusers, request))
 

@@ -14,8 +14,8 @@ from vllm_omni_env import build_native
 import flowlock
 from flowlock.integrations.vllm_omni import install
 from flowlock.integrations.vllm_omni.lora import add_lora_to_engine, map_lora_update_to_engine
+from flowlock.models.common.peft_lora import is_peft_lora
 from flowlock.models.minimax_h3 import make_h3
-from flowlock.models.minimax_h3.lora import is_peft_lora
 from flowlock.rl import cps_step, joint_log_prob, noise
 from flowlock.testing import assert_bitwise_equal
 

@@ -13,8 +13,8 @@ from vllm_omni_env import build_native
 
 import flowlock
 from flowlock.integrations.vllm_omni.lora import FC1_LAYOUT, install_lora_layout, map_lora_update_to_engine
+from flowlock.models.common.peft_lora import is_peft_lora
 from flowlock.models.minimax_h3 import make_h3
-from flowlock.models.minimax_h3.lora import is_peft_lora
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
 FFN = ENGINE_CONFIG["ffn_dim"]

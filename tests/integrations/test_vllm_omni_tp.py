@@ -26,8 +26,8 @@ import torch
 from engine_inputs import make_request, request_rows
 from vllm_omni_tp_jobs import CASES, PG_TIMEOUT_S, TP_CONFIG
 
-from flowlock.integrations.vllm_omni.sequence_parallel import NativeUlysses
-from flowlock.integrations.vllm_omni.tensor_parallel import layout_widths
+from flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel import NativeUlysses
+from flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel import layout_widths
 from flowlock.parallel.tensor_parallel import check_divisible
 from flowlock.testing import assert_bitwise_equal
 

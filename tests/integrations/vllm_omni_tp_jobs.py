@@ -55,9 +55,9 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMax
 from vllm_omni_env import build_native, ensure_runtime, native_config, vllm_config  # noqa: E402
 
 import flowlock  # noqa: E402
-import flowlock.integrations.vllm_omni.forward as native_forward  # noqa: E402
+import flowlock.integrations.vllm_omni.minimax_h3.forward as native_forward  # noqa: E402
 from flowlock.integrations.vllm_omni import install  # noqa: E402
-from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel  # noqa: E402
+from flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel import NativeTensorParallel  # noqa: E402
 from flowlock.models.minimax_h3 import make_h3  # noqa: E402
 from flowlock.ops.linear import linear  # noqa: E402
 from flowlock.parallel.ports import free_local_port  # noqa: E402
@@ -340,7 +340,7 @@ def _lora_trainer():
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from flowlock.models.minimax_h3.lora import is_peft_lora
+    from flowlock.models.common.peft_lora import is_peft_lora
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj",
                                                            "ff.net.2"],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flowlock
-from flowlock.models.minimax_h3 import patch as h3_patch
+from flowlock.models.common import patched_forward as h3_patch
 from flowlock.models.minimax_h3 import tiny_h3, tiny_inputs
 from flowlock.testing import mismatch_count
 

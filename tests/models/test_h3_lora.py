@@ -7,9 +7,9 @@ from h3_helpers import batch_fn, forward_backward, pool
 from peft import LoraConfig
 
 import flowlock
+from flowlock.models.common.peft_lora import is_peft_lora
 from flowlock.models.minimax_h3 import tiny_h3, tiny_inputs
 from flowlock.models.minimax_h3.golden import golden_inputs, golden_model
-from flowlock.models.minimax_h3.lora import is_peft_lora
 from flowlock.testing import assert_batch_invariant, assert_within_budget
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.2", "proj_out"]

@@ -14,8 +14,8 @@ from peft import LoraConfig
 from safetensors.torch import load_file
 
 import flowlock
+from flowlock.models.common.peft_lora import is_peft_lora
 from flowlock.models.minimax_h3 import tiny_h3, tiny_inputs
-from flowlock.models.minimax_h3.lora import is_peft_lora
 from flowlock.testing import assert_bitwise_equal
 
 TARGETS = ["to_q", "to_v", "ff.net.2", "proj_out"]

@@ -172,7 +172,7 @@ def _with_lora(model):
     """``model`` with a rank-4 peft LoRA on the block linears, factors redrawn from one seed."""
     from peft import LoraConfig
 
-    from flowlock.models.minimax_h3.lora import is_peft_lora
+    from flowlock.models.common.peft_lora import is_peft_lora
 
     model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ff.net.2"],
                                  init_lora_weights="gaussian"))

@@ -5,7 +5,7 @@ lays ``n`` requests out with vLLM-Omni's own packer (each padded to its 64-row a
 them through ``MiniMaxH3DiTModel`` (all packed into one forward per step; the stock path packs
 only where vLLM-Omni's attention isolates requests, its own rule, else one request per forward)
 and takes the video and audio CPS transitions with counter-based noise; the trainer then replays
-every request alone in diffusers (:func:`flowlock.integrations.vllm_omni.replay.diffusers_requests`
+every request alone in diffusers (:func:`flowlock.integrations.vllm_omni.minimax_h3.replay.diffusers_requests`
 of the stored forward kwargs, requests in reversed order, autograd recording) with the stored
 next latents as targets.
 Exactly on-policy means every replayed velocity and log-prob has the rollout's bits.
@@ -97,7 +97,7 @@ def run_engine_consistency(diffusers_model, native_model, *, n_requests: int = 3
     """
     if mode not in ("strict", "provider"):
         raise ValueError(f"mode must be 'strict' or 'provider', got {mode!r}")
-    from flowlock.integrations.vllm_omni.replay import diffusers_requests
+    from flowlock.integrations.vllm_omni.minimax_h3.replay import diffusers_requests
 
     device = next(diffusers_model.parameters()).device
     text_dtype = diffusers_model.context_embedder.weight.dtype
@@ -184,7 +184,7 @@ def trace_engines(diffusers_model, native_model, *, mode: str, seed: int = 1) ->
     ``{"compared": n, "skipped": [diffusers names whose shapes do not correspond], "divergence": None |
     {"module", "native_module", "mismatches", "numel", "max_abs_diff"}}``.
     """
-    from flowlock.integrations.vllm_omni.replay import diffusers_requests
+    from flowlock.integrations.vllm_omni.minimax_h3.replay import diffusers_requests
 
     device = next(diffusers_model.parameters()).device
     # unpadded, so both engines compute over the same rows
@@ -229,7 +229,7 @@ def _synced_lora(diffusers_model, native_model, rank: int = 8, seed: int = 3) ->
     from peft.utils import get_peft_model_state_dict
 
     from flowlock.integrations.vllm_omni.lora import add_lora_to_engine, map_lora_update_to_engine
-    from flowlock.models.minimax_h3.lora import is_peft_lora
+    from flowlock.models.common.peft_lora import is_peft_lora
 
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["to_q", "to_k", "to_v", "to_out.0",
                                                                      "ff.net.0.proj", "ff.net.2"])

@@ -50,15 +50,22 @@ def native_model_dtype(native: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``native`` (a just-built ``MiniMaxH3DiTModel``) in ``dtype``, before its weights are loaded.
 
     ``torch.bfloat16``: as vLLM-Omni builds it (BF16, H3's FP32 modules FP32), returned unchanged.
-    ``torch.float32``: every parameter and buffer cast to FP32 (vLLM-Omni's constructor fixes BF16
-    for the BF16 set and has no FP32 option; the strict path follows the parameters' dtypes). Any
-    other dtype raises ValueError: casting the FP32 modules down is what vLLM-Omni's own
+    ``torch.float16``: the BF16 set cast to FP16, H3's FP32 modules kept FP32 (what
+    ``make_h3(dtype=torch.float16)`` builds on the diffusers side). ``torch.float32``: every parameter
+    and buffer cast to FP32. vLLM-Omni's constructor fixes BF16 for the BF16 set and has neither
+    option; the strict path follows the parameters' dtypes (vLLM-Omni's own forward runs BF16 only).
+    Any other dtype raises ValueError: casting the FP32 modules down is what vLLM-Omni's own
     ``post_load_weights`` refuses."""
     if dtype == torch.bfloat16:
         return native
+    if dtype == torch.float16:
+        for tensor in (*native.parameters(), *native.buffers()):
+            if tensor.dtype == torch.bfloat16:
+                tensor.data = tensor.data.to(torch.float16)
+        return native
     if dtype == torch.float32:
         return native.float()
-    raise ValueError(f"vLLM-Omni's H3 runs in bfloat16 (with its FP32 modules) or float32, got {dtype}")
+    raise ValueError(f"vLLM-Omni's H3 runs in bfloat16 or float16 (with its FP32 modules) or float32, got {dtype}")
 
 
 def vllm_config(device: torch.device):

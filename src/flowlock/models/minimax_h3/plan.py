@@ -3,11 +3,12 @@
 Entries: the instance's ``forward``, and the ``forward`` of every module the strict root forward
 calls through ``__call__`` (transformer and refiner blocks, ``norm_out``, the refiner's
 ``final_norm``, ``time_embedder``, the input and output linears), each replaced by its mode-aware
-strict forward from :mod:`flowlock.models.minimax_h3.patch`. Slots whose module may legitimately
+strict forward from :mod:`flowlock.models.minimax_h3.patch`, wrapped by
+:func:`flowlock.models.common.patched_forward.make_patched_forward`. Slots whose module may legitimately
 be another type (a peft LoRA layer in a Linear slot) carry no type; strict mode decides per call.
 Nothing else changes: parameters, buffers, the FP32 modules and the module tree stay as they are,
 so ``state_dict`` is identical while patched. A module whose forward is already wrapped by a diffusers
-or accelerate hook is refused (:mod:`flowlock.models.minimax_h3.hooks`): hooks go on after patching.
+or accelerate hook is refused (:mod:`flowlock.models.common.diffusers_hooks`): hooks go on after patching.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
     MiniMaxH3TransformerBlock,
 )
 
+from flowlock.models.common.diffusers_hooks import target_hooks
+from flowlock.models.common.patched_forward import make_patched_forward
 from flowlock.models.minimax_h3.context_parallel import check_layout as check_context_parallel_layout
-from flowlock.models.minimax_h3.hooks import target_hooks
 from flowlock.models.minimax_h3.patch import (
-    make_patched_forward,
     strict_block_call,
     strict_linear_call,
     strict_model_call,

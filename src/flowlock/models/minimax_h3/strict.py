@@ -34,7 +34,6 @@ runs that module's own forward.
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 from diffusers.models.activations import SwiGLU
@@ -42,7 +41,6 @@ from diffusers.models.attention import FeedForward
 from diffusers.models.embeddings import TimestepEmbedding
 from diffusers.models.modeling_utils import get_parameter_dtype
 from diffusers.models.transformers.transformer_minimax_h3 import (
-    MINIMAX_H3_MODALITY_NUM,
     MiniMaxH3AdaLayerNormOut,
     MiniMaxH3AttnProcessor,
     MiniMaxH3TokenRefinerBlock,
@@ -51,10 +49,13 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 )
 from torch import nn
 
+from flowlock.models.common.diffusers_hooks import compute_param, leaf_hook_reason
+from flowlock.models.common.module_class import module_class
+from flowlock.models.common.peft_lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
+from flowlock.models.common.run_context import STRICT_MARK, RunDecisions, call_with_run, is_strict, kept_slot
 from flowlock.models.minimax_h3.context_parallel import sequence_plan
-from flowlock.models.minimax_h3.hooks import compute_param, leaf_hook_reason
-from flowlock.models.minimax_h3.lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
-from flowlock.models.minimax_h3.structure import module_class, validate_structure
+from flowlock.models.minimax_h3.skeleton import MODALITIES, block_body, refiner_body
+from flowlock.models.minimax_h3.structure import validate_structure
 from flowlock.modes import StrictModeError, fallback_or_raise
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._validate import memoized_over
@@ -69,9 +70,6 @@ from flowlock.ops.rows import gather_rows, scatter_rows
 from flowlock.ops.swiglu import swiglu
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
 from flowlock.parallel import UlyssesSequence
-
-# Column order of the (3T, 6H) AdaLN table (diffusers' chunk order).
-SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP = range(6)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,21 +120,19 @@ def _rms_norm_reason(module: nn.Module, called: bool = False) -> str | None:
     return None if called else leaf_hook_reason(module)
 
 
-class Run:
-    """One forward's decisions, made before any op runs: which modules run their own forward (audit
-    fallbacks; strict mode raised instead), and whether ops must range-check their indices (a
-    standalone block call) or the root forward validated them already.
+class Run(RunDecisions):
+    """One diffusers H3 forward's decisions (:class:`~flowlock.models.common.run_context.RunDecisions`),
+    made before any op runs, and the Ulysses shards of its rows under context parallelism.
 
     The root forward hands its ``Run`` to the blocks it calls through :func:`call_with_run`, also on
     gradient-checkpointing recomputation, so a recomputed block makes the same decisions.
     """
 
+    scope = "minimax_h3"
+
     def __init__(self, check_indices: bool, root: nn.Module, sequence: UlyssesSequence | None = None):
-        self.fallback: set[int] = set()
-        self.check_indices = check_indices
+        super().__init__(check_indices, root)
         self.sequence = sequence
-        self._root = root
-        self._names: dict[int, str] | None = None
 
     @classmethod
     def for_model(cls, model: nn.Module, sequence: UlyssesSequence | None = None) -> Run:
@@ -150,7 +146,7 @@ class Run:
             run._check_block(block)
         for module in (model.proj_in, model.audio_proj_in, model.context_embedder, model.proj_out,
                        model.audio_proj_out):
-            run._check(module, _linear_reason(module, called=_is_strict(module)))
+            run._check(module, _linear_reason(module, called=is_strict(module)))
         # The rope tables are computed from its inv_freq buffer without calling it.
         run._check(model.rope, leaf_hook_reason(model.rope))
         run._check_norm_out(model.norm_out)
@@ -209,20 +205,6 @@ class Run:
         for leaf in (norm_out.norm, norm_out.linear):
             self._check(leaf, leaf_hook_reason(leaf), fallback=norm_out)
 
-    def name(self, module: nn.Module) -> str:
-        """``module``'s name under the root, for messages."""
-        if self._names is None:
-            # module names only for messages: walked once, and only when a message needs one, so a
-            # passing forward of a deep model does not pay for named_modules()
-            self._names = {id(m): n for n, m in self._root.named_modules()}
-        return self._names.get(id(module), type(module).__name__)
-
-    def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None):
-        if reason is None:
-            return
-        fallback_or_raise(f"minimax_h3 {self.name(module)}", reason)
-        self.fallback.add(id(fallback if fallback is not None else module))
-
     def _check_attention(self, attn: nn.Module) -> None:
         processor = attn.processor
         if module_class(processor) is not MiniMaxH3AttnProcessor:
@@ -250,11 +232,6 @@ class Run:
             return
         for module in (net[0].proj, net[2]):
             self._check(module, _linear_reason(module))
-
-    def runs_own(self, module: nn.Module) -> bool:
-        # An empty set (always so in strict mode) answers without id(module): torch.compile guards on
-        # the id of what it hashes, which would compile each block instance as a graph of its own.
-        return bool(self.fallback) and id(module) in self.fallback
 
     def exact(self, sharded_rows: bool) -> UlyssesSequence | None:
         """The Ulysses sequence whose ops take one process's parameter gradients from all rows
@@ -336,17 +313,6 @@ class Run:
         return self.linear(ff.net[2], swiglu(self.linear(ff.net[0].proj, x, sharded_rows)), sharded_rows)
 
 
-_ACTIVE = threading.local()
-
-# Set on the functions flowlock.patch installs as forwards of the modules the root forward calls.
-STRICT_MARK = "__flowlock_strict__"
-
-
-def active_run() -> Run | None:
-    """The ``Run`` of the root forward currently calling a submodule, if any."""
-    return getattr(_ACTIVE, "run", None)
-
-
 def _linear_weight_grads(rows_all, dout_all, replicated, needs):
     dw, db = linear_weight_grad(rows_all[0], dout_all, *replicated)
     return [dw if needs[0] else None, db if needs[1] else None]
@@ -360,14 +326,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return exact.exact(linear, [(x, x.ndim - 2)], [weight, bias], out_dim=x.ndim - 2, rep_grads=_linear_weight_grads)
 
 
-def _is_strict(module: nn.Module) -> bool:
-    return getattr(module.forward, STRICT_MARK, False)
-
-
 def _call_linear(run: Run, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # diffusers' load_lora_adapter / add_adapter after patching put a peft layer into the slot (the
     # patched Linear is its base layer): it has no strict forward, so the strict path reads it instead.
-    return call_with_run(run, module, x) if _is_strict(module) else run.linear(module, x)
+    return call_with_run(run, module, x) if is_strict(module) else run.linear(module, x)
 
 
 class KeptTable:
@@ -383,49 +345,63 @@ class KeptTable:
         self.table: torch.Tensor | None = None
 
 
-def call_with_run(run: Run, module: nn.Module, *args, kept: KeptTable | None = None):
-    """Call the patched ``module`` through ``__call__``, so its hooks run (FSDP2 unshards a unit's
-    parameters there: blocks, and the FP32 modules that must be units of their own because FSDP2
-    wants one dtype per unit), with ``run`` as the active decisions and ``kept`` as the call's
-    AdaLN table slot (a checkpointed block's; None otherwise)."""
-    if not _is_strict(module):
-        raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: call the strict forward through "
-                           "flowlock.patch(model), which routes the blocks and other submodules too")
-    previous, previous_kept = active_run(), getattr(_ACTIVE, "kept", None)
-    _ACTIVE.run, _ACTIVE.kept = run, kept
-    try:
-        return module(*args)
-    finally:
-        _ACTIVE.run, _ACTIVE.kept = previous, previous_kept
+class _RefinerSteps:
+    """The diffusers steps of a token-refiner block (:class:`~flowlock.models.minimax_h3.skeleton.RefinerSteps`):
+    replicated text rows, so attention stays local under context parallelism."""
+
+    def __init__(self, run: Run, block: nn.Module):
+        self.run, self.block = run, block
+
+    def norm(self, norm, x):
+        return self.run.rms_norm(norm, x)
+
+    def attend(self, x):
+        return self.run.attention(self.block.attn, x, None, sharded_rows=False)
+
+    def feed_forward(self, x):
+        return self.run.feed_forward(self.block.ff, x)
 
 
 def refiner_block_forward(run: Run, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``MiniMaxH3TokenRefinerBlock.forward`` on flowlock ops: (B, Nt, hidden) bf16 -> same."""
-    # A plain bf16 add is bitwise what eager does, and elementwise, so it is batch-invariant.
-    x = x + run.attention(block.attn, run.rms_norm(block.norm1, x), None, sharded_rows=False)
-    return x + run.feed_forward(block.ff, run.rms_norm(block.norm2, x))
+    return refiner_body(_RefinerSteps(run, block), block, x)
+
+
+class _BlockSteps:
+    """The diffusers steps of a DiT block (:class:`~flowlock.models.minimax_h3.skeleton.BlockSteps`):
+    peft LoRA and hooks served through :class:`Run`, the rows sharded under context parallelism."""
+
+    def __init__(self, run: Run, block: nn.Module, temb: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor]):
+        self.run, self.block, self.temb, self.rotary_emb = run, block, temb, rotary_emb
+
+    def table(self):
+        return _block_table(self.block.adaln_proj.linear, self.temb)
+
+    def modulate(self, norm, x, shift, scale, index):
+        return _modulate(self.run, norm, x, shift, scale, index)
+
+    def attend(self, x):
+        return self.run.attention(self.block.attn, x, self.rotary_emb, sharded_rows=True)
+
+    def feed_forward(self, x):
+        return self.run.feed_forward(self.block.ff, x, sharded_rows=True)
+
+    def gate(self, x, gate, y, index):
+        return _gate_residual(self.run, x, gate, y, index)
 
 
 def block_forward(run: Run, block: nn.Module, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor,
                   rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``MiniMaxH3TransformerBlock.forward`` on flowlock ops: x (B, S, hidden) bf16, temb (T, E) fp32,
     adaln_indices (S,) in [0, 3T), rotary_emb (cos, sin) (S, R) fp32 -> (B, S, hidden) bf16."""
-    table = _block_table(block.adaln_proj.linear, temb)
-    hidden = x.shape[-1]
-    chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
-    normed = _modulate(run, block.norm1, x, chunk[SHIFT_MSA], chunk[SCALE_MSA], adaln_indices)
-    attn_out = run.attention(block.attn, normed, rotary_emb, sharded_rows=True)
-    x = _gate_residual(run, x, chunk[GATE_MSA], attn_out, adaln_indices)
-    normed = _modulate(run, block.norm2, x, chunk[SHIFT_MLP], chunk[SCALE_MLP], adaln_indices)
-    ff_out = run.feed_forward(block.ff, normed, sharded_rows=True)
-    return _gate_residual(run, x, chunk[GATE_MLP], ff_out, adaln_indices)
+    return block_body(_BlockSteps(run, block, temb, rotary_emb), block, x, adaln_indices)
 
 
 def _block_table(proj: nn.Module, temb: torch.Tensor) -> torch.Tensor:
     # A checkpointed call's forward keeps its table for the recomputation (KeptTable); a compiled
     # block recomputes it, since its graph would otherwise specialize on the slot's state.
     weight, bias = compute_param(proj, "weight"), compute_param(proj, "bias")
-    kept = None if torch.compiler.is_compiling() else getattr(_ACTIVE, "kept", None)
+    kept = None if torch.compiler.is_compiling() else kept_slot()
     if kept is None:
         return adaln_table(temb, weight, bias)
     if kept.table is None:
@@ -547,7 +523,7 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
                      [text_indices, video_indices, audio_indices], seq_len, check_indices=False)
 
     temb = _time_embedding(run, model, timestep)
-    adaln_indices = timestep_indices * MINIMAX_H3_MODALITY_NUM + token_tags
+    adaln_indices = timestep_indices * MODALITIES + token_tags
 
     if sequence is not None:
         x, adaln_indices, cos, sin, timestep_indices = (sequence.shard(t, dim) for t, dim in (

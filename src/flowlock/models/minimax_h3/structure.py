@@ -88,15 +88,3 @@ def _unique_rows(indices: list[torch.Tensor]) -> torch.Tensor:
     # Sorted neighbours differ exactly when no row repeats: no data-dependent shape, so it also traces.
     ordered = torch.cat([i.to(torch.int64) for i in indices]).sort().values
     return (ordered[1:] != ordered[:-1]).all()
-
-
-
-def module_class(module: object) -> type:
-    """The module's own class. FSDP2's ``fully_shard`` swaps in a generated subclass
-    ``(FSDPModule, cls)`` that adds sharding hooks, not arithmetic, so it counts as ``cls``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(module)
-    if len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
-        return cls.__bases__[1]
-    return cls

@@ -29,24 +29,25 @@ from the positions (:func:`_model_rope`).
 vLLM's linears return ``(output, bias)``; the patched linears keep that convention.
 
 Under Ulysses (``run.sp``) the DiT blocks run on row shards (see
-:mod:`flowlock.integrations.vllm_omni.sequence_parallel`). At TP > 1 (``run.tp``, set up by
+:mod:`flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel`). At TP > 1 (``run.tp``, set up by
 install()) the GEMMs over vLLM's weight shards go through
-:mod:`flowlock.integrations.vllm_omni.tensor_parallel`, which gives the TP = 1 bits. At degree 1
+:mod:`flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel`, which gives the TP = 1 bits. At degree 1
 ``run.sp`` and ``run.tp`` are None and none of their code or collectives run.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from flowlock.integrations.vllm_omni.coverage import NativeRun
-from flowlock.integrations.vllm_omni.inputs import documents, parse_inputs
 from flowlock.integrations.vllm_omni.lora import add_lora
-from flowlock.models.minimax_h3.strict import STRICT_MARK, rope_cos_sin
+from flowlock.integrations.vllm_omni.minimax_h3.coverage import NativeRun
+from flowlock.integrations.vllm_omni.minimax_h3.inputs import documents, parse_inputs
+from flowlock.models.common.run_context import call_with_run
+from flowlock.models.minimax_h3.skeleton import MODALITIES, block_body, refiner_body
+from flowlock.models.minimax_h3.strict import rope_cos_sin
 from flowlock.modes import mode
 from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
@@ -61,37 +62,12 @@ from flowlock.ops.swiglu import swiglu
 from flowlock.ops.timestep import timestep_mlp, timestep_sinusoid
 from flowlock.parallel.ulysses import UlyssesSequence
 
-# Rows of the AdaLN table per distinct timestep (video, text, audio); padding rows use video's.
-MODALITIES = 3
-SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP = range(6)
-
 
 class RopeTables(NamedTuple):
     """``(S, R)`` float32 cos and sin, as :func:`flowlock.models.minimax_h3.strict.rope_cos_sin` builds."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-
-
-_ACTIVE = threading.local()
-
-
-def active_run() -> NativeRun | None:
-    """The decisions of the strict root forward currently calling a submodule, if any."""
-    return getattr(_ACTIVE, "run", None)
-
-
-def call_with_run(run: NativeRun, module: nn.Module, *args, **kwargs):
-    """Call the patched ``module`` through ``__call__`` (its hooks run) with ``run`` active."""
-    if not getattr(module.forward, STRICT_MARK, False):
-        raise RuntimeError(f"{type(module).__name__}.forward is not flowlock's: install the adapter with "
-                           "flowlock.integrations.vllm_omni.install(model)")
-    previous = active_run()
-    _ACTIVE.run = run
-    try:
-        return module(*args, **kwargs)
-    finally:
-        _ACTIVE.run = previous
 
 
 def rope_from_table(table: torch.Tensor) -> RopeTables:
@@ -191,9 +167,24 @@ def refiner_block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, 
     docs = documents(cu_seqlens, max_seqlen, x.shape[0], prefix_request=num_requests == 1,
                      name="refiner cu_seqlens")
     own = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, num_requests=num_requests)
-    # A plain bf16 add: what both engines' eager code does, elementwise.
-    x = x + attention_forward(run, block.attn, _norm(run, block.norm1, x), None, docs, own)
-    return x + mlp_forward(run, block.mlp, _norm(run, block.norm2, x))
+    return refiner_body(_RefinerSteps(run, block, docs, own), block, x)
+
+
+class _RefinerSteps:
+    """The vLLM-Omni steps of a token-refiner block (:class:`~flowlock.models.minimax_h3.skeleton.RefinerSteps`):
+    attention within the refiner's documents, no RoPE, never sharded."""
+
+    def __init__(self, run: NativeRun, block: nn.Module, docs: tuple[tuple[int, int], ...], own: dict):
+        self.run, self.block, self.docs, self.own = run, block, docs, own
+
+    def norm(self, norm, x):
+        return _norm(self.run, norm, x)
+
+    def attend(self, x):
+        return attention_forward(self.run, self.block.attn, x, None, self.docs, self.own)
+
+    def feed_forward(self, x):
+        return mlp_forward(self.run, self.block.mlp, x)
 
 
 def refiner_forward(run: NativeRun, refiner: nn.Module, x: torch.Tensor, *, cu_seqlens: torch.Tensor,
@@ -214,28 +205,46 @@ def block_forward(run: NativeRun, block: nn.Module, x: torch.Tensor, *, t_emb: t
         raise ValueError(f"x has {x.shape[0]} rows for packed_total {packed_total}: sequence-parallel shards "
                          "are not on the strict path")
     docs = documents(cu_seqlens, max_seqlen, packed_total, prefix_request=num_requests == 1)
-    rope = _rope(rope_table)
-    proj = block.adaln_proj.linear
-    table = adaln_table(t_emb, proj.weight, proj.bias) if run.tp is None else run.tp.adaln_table(t_emb, proj)
-    hidden = x.shape[-1]
-    chunk = [table[:, c * hidden:(c + 1) * hidden] for c in range(6)]
-    check, index = run.check_indices, combined_indices
-    normed = rms_norm_modulate(x, block.norm1.weight, chunk[SHIFT_MSA], chunk[SCALE_MSA], index,
-                               block.norm1.variance_epsilon, check_indices=check)
     own = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, packed_total=packed_total, num_requests=num_requests,
                sp_seq_lens=sp_seq_lens, video_layout=video_layout, vsa_prefix_segments=vsa_prefix_segments)
-    attn_out = attention_forward(run, block.attn, normed, rope, docs, own, run.sequence)
-    x = gate_residual(x, chunk[GATE_MSA], attn_out, index, check_indices=check)
-    normed = rms_norm_modulate(x, block.norm2.weight, chunk[SHIFT_MLP], chunk[SCALE_MLP], index,
-                               block.norm2.variance_epsilon, check_indices=check)
-    return gate_residual(x, chunk[GATE_MLP], mlp_forward(run, block.mlp, normed), index, check_indices=check)
+    return block_body(_BlockSteps(run, block, t_emb, _rope(rope_table), docs, own), block, x, combined_indices)
+
+
+class _BlockSteps:
+    """The vLLM-Omni steps of a DiT block (:class:`~flowlock.models.minimax_h3.skeleton.BlockSteps`):
+    vLLM's parameters read directly, TP > 1 and Ulysses through ``run.tp`` / ``run.sequence``, attention
+    within the packed documents."""
+
+    def __init__(self, run: NativeRun, block: nn.Module, t_emb: torch.Tensor, rope: RopeTables,
+                 docs: tuple[tuple[int, int], ...], own: dict):
+        self.run, self.block, self.t_emb, self.rope, self.docs, self.own = run, block, t_emb, rope, docs, own
+
+    def table(self):
+        proj = self.block.adaln_proj.linear
+        if self.run.tp is None:
+            return adaln_table(self.t_emb, proj.weight, proj.bias)
+        return self.run.tp.adaln_table(self.t_emb, proj)
+
+    def modulate(self, norm, x, shift, scale, index):
+        return rms_norm_modulate(x, norm.weight, shift, scale, index, norm.variance_epsilon,
+                                 check_indices=self.run.check_indices)
+
+    def attend(self, x):
+        return attention_forward(self.run, self.block.attn, x, self.rope, self.docs, self.own, self.run.sequence)
+
+    def feed_forward(self, x):
+        return mlp_forward(self.run, self.block.mlp, x)
+
+    def gate(self, x, gate, y, index):
+        return gate_residual(x, gate, y, index, check_indices=self.run.check_indices)
 
 
 def time_embedder_forward(run: NativeRun, embedder: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    """``MiniMaxH3TimeEmbedder.forward``: ``(M,)`` float32 in [0, 1] -> ``(M, E)`` float32."""
+    """``MiniMaxH3TimeEmbedder.forward``: ``(M,)`` float32 in [0, 1] -> ``(M, E)`` float32 (a sinusoid of
+    ``frequency_embedding_size`` channels, cos first, as diffusers' ``Timesteps`` of that width)."""
     p, q = embedder.proj_in, embedder.proj_out
     weights = (p.weight, p.bias, q.weight, q.bias) if run.tp is None else run.tp.time_embedder_weights(embedder)
-    sinusoid = timestep_sinusoid(t, check_range=run.check_indices)
+    sinusoid = timestep_sinusoid(t, channels=embedder.frequency_embedding_size, check_range=run.check_indices)
     return timestep_mlp(sinusoid, *weights)
 
 
@@ -260,10 +269,10 @@ def _model_rope(model: nn.Module, inputs) -> RopeTables:
 
     The table is always BF16 (vLLM-Omni builds it so and its forward refuses another dtype). Where
     the attention runs in BF16, ``qk_norm_rope`` rounds cos / sin to BF16 first, so the table gives
-    the positions' bits and is used as given. In an FP32 model cos / sin stay FP32, as diffusers
-    computes them: the table would round them, so RoPE comes from ``img_position_ids`` and the table
-    is only checked (once per table) to be the BF16 table of those positions; any other raises
-    ValueError."""
+    the positions' bits and is used as given. In an FP32 (or FP16) model cos / sin stay FP32 (or round
+    to FP16), as diffusers computes them: the BF16 table would round them to BF16, so RoPE comes from
+    ``img_position_ids`` and the table is only checked (once per table) to be the BF16 table of those
+    positions; any other raises ValueError."""
     inv_freq, positions = model.rope.inv_freq, inputs.img_position_ids
 
     def from_positions() -> RopeTables:
@@ -278,8 +287,8 @@ def _model_rope(model: nn.Module, inputs) -> RopeTables:
     rope = from_positions()
     if not memoized_over([table, positions, inv_freq], "h3_rope_table_of_positions",
                          lambda: torch.equal(table, _native_table(rope))):
-        raise ValueError("rope_table is not the BF16 table vLLM-Omni prepares from img_position_ids; an FP32 model "
-                         "takes RoPE from the positions, at FP32 (a BF16 table would round cos / sin)")
+        raise ValueError("rope_table is not the BF16 table vLLM-Omni prepares from img_position_ids; a model not in "
+                         "BF16 takes RoPE from the positions, at FP32 (a BF16 table would round cos / sin)")
     return rope
 
 
@@ -287,7 +296,7 @@ def model_forward(model: nn.Module, kwargs: dict, own_forward) -> tuple[torch.Te
     """``MiniMaxH3DiTModel.forward(**kwargs)`` on flowlock ops: ``(video [No, C_video], audio [Na, C_audio])``
     FP32, the rows of ``img_pos_for_infer_output_info`` and ``audio_pos_info``, update masks applied.
 
-    Inputs are validated first (:func:`flowlock.integrations.vllm_omni.inputs.parse_inputs`), then
+    Inputs are validated first (:func:`flowlock.integrations.vllm_omni.minimax_h3.inputs.parse_inputs`), then
     coverage is decided for every module, both before any op runs. Guarantees: each request's
     outputs are a pure function of that request's rows (alone, packed with others, padded or not)
     and bitwise repeatable, given the ops' contracts.

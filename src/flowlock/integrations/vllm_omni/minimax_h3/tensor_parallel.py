@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flowlock.integrations.vllm_omni.layers import LINEAR_CLASSES
 from flowlock.integrations.vllm_omni.lora import add_lora, is_lora_layer
 from flowlock.ops._validate import memoized_over
 from flowlock.ops.adaln import adaln_table
@@ -37,8 +38,6 @@ ATTRIBUTE = "_flowlock_tensor_parallel"
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from flowlock.integrations.vllm_omni.coverage import LINEAR_CLASSES
-
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LINEAR_CLASSES)]
 
 

@@ -1,7 +1,7 @@
 """What the strict path can compute for a vLLM-Omni ``MiniMaxH3DiTModel``, decided before any op runs.
 
 Served: vLLM's unquantized parallel linears at TP = 1, or at the TP degree install() set up
-(:mod:`flowlock.integrations.vllm_omni.tensor_parallel`), with H3's biases (patch, condition, time,
+(:mod:`flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel`), with H3's biases (patch, condition, time,
 AdaLN and output projections biased; q/k/v, out, fc1, fc2 not), vLLM-Omni's diffusion LoRA wrappers
 on q/k/v, out, fc1 and fc2 at any TP degree (:mod:`flowlock.integrations.vllm_omni.lora`), vLLM-Omni's
 ``RMSNorm``, and dense softmax attention whatever dense backend vLLM-Omni resolved (flowlock
@@ -24,13 +24,7 @@ from __future__ import annotations
 import math
 
 from torch import nn
-from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    UnquantizedLinearMethod,
-)
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm_omni.diffusion.layers.norm import RMSNorm
 from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
     MiniMaxH3Attention,
@@ -42,13 +36,13 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
     MiniMaxH3TokenRefinerBlock,
 )
 
+from flowlock.integrations.vllm_omni.layers import LINEAR_CLASSES
 from flowlock.integrations.vllm_omni.lora import is_lora_layer, lora_reason
-from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
-from flowlock.integrations.vllm_omni.sequence_parallel import SP_PLAN_MODULES
-from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
-from flowlock.modes import fallback_or_raise
+from flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel import SP_PLAN_MODULES
+from flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
+from flowlock.models.common.run_context import RunDecisions
 
-LINEAR_CLASSES = (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear, MergedColumnParallelLinear)
 # Backends whose result is exact softmax attention (up to their own rounding): the strict path
 # computes that with flowlock's attention instead.
 DENSE_BACKENDS = frozenset({"FLASH_ATTN", "FLASH_ATTN_HUB", "FLASH_ATTN_3_HUB", "CUDNN_ATTN", "SDPA",
@@ -88,15 +82,15 @@ def hook_reason(module: nn.Module) -> str | None:
     return f"vLLM-Omni hooks {hooks} are installed" if hooks else None
 
 
-class NativeRun:
-    """One forward's decisions: which modules run their own forward (audit fallbacks), and whether
-    ops range-check indices (a submodule called on its own) or the root validated them already."""
+class NativeRun(RunDecisions):
+    """One vLLM-Omni H3 forward's decisions (:class:`~flowlock.models.common.run_context.RunDecisions`)
+    and the TP / Ulysses operations install() set up on its root."""
+
+    scope = "vllm_omni minimax_h3"
+    root_name = "<root>"
 
     def __init__(self, check_indices: bool, root: nn.Module):
-        self.fallback: set[int] = set()
-        self.check_indices = check_indices
-        self._root = root
-        self._names: dict[int, str] | None = None
+        super().__init__(check_indices, root)
         # TP > 1 operations install() set up on this module (None at TP = 1: no TP code runs)
         self.tp = getattr(root, TP_ATTRIBUTE, None)
         self.tp_size = 1 if self.tp is None else self.tp.degree
@@ -155,8 +149,10 @@ class NativeRun:
         return None
 
     def _check_time_embedder(self, embedder: nn.Module) -> None:
-        if embedder.frequency_embedding_size != 256:
-            self._check(embedder, "timestep_sinusoid serves a 256-wide sinusoid only")
+        width = embedder.frequency_embedding_size
+        if width < 2 or width % 2:
+            # the diffusers strict path's rule too (timestep_sinusoid: any even width; H3 builds 256)
+            self._check(embedder, f"timestep_sinusoid serves an even sinusoid width >= 2, got {width}")
             return
         for module in (embedder.proj_in, embedder.proj_out):
             self._check(module, linear_reason(module, biased=True, tp_size=self.tp_size), fallback=embedder)
@@ -218,15 +214,3 @@ class NativeRun:
         for module in (mlp.fc1, mlp.fc2):
             self._check(module, linear_reason(module, biased=False, lora=True, tp_size=self.tp_size), fallback=mlp)
 
-    def _check(self, module: nn.Module, reason: str | None, fallback: nn.Module | None = None) -> None:
-        if reason is None:
-            return
-        if self._names is None:
-            # walked only when a check fails, so a passing forward does not pay for named_modules()
-            self._names = {id(m): n for n, m in self._root.named_modules()}
-        fallback_or_raise(f"vllm_omni minimax_h3 {self._names.get(id(module), type(module).__name__) or '<root>'}",
-                          reason)
-        self.fallback.add(id(fallback if fallback is not None else module))
-
-    def runs_own(self, module: nn.Module) -> bool:
-        return id(module) in self.fallback

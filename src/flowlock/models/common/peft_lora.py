@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from flowlock.models.minimax_h3.hooks import casts_lora_input, compute_param, leaf_hook_reason
-from flowlock.models.minimax_h3.structure import module_class
+from flowlock.models.common.diffusers_hooks import casts_lora_input, compute_param, leaf_hook_reason
+from flowlock.models.common.module_class import module_class
 from flowlock.ops.linear import linear
 
 _LORA_ATTRS = ("base_layer", "lora_A", "lora_B", "scaling", "active_adapters", "merged")

@@ -1,4 +1,4 @@
-"""diffusers and accelerate hooks as the strict H3 path sees them.
+"""diffusers and accelerate hooks as a strict diffusers path sees them.
 
 The strict path calls the modules ``flowlock.patch`` replaces (blocks, ``norm_out``, the input /
 output linears, ...) through ``__call__``, so a hook registered on one of them *after* patching wraps
@@ -48,7 +48,7 @@ def hook_names(module: nn.Module) -> list[str]:
 
 def _unserved_hooks(module: nn.Module) -> list[str]:
     # diffusers' context-parallel split / gather hooks (enable_parallelism) are served everywhere:
-    # the strict forward makes the same cut itself (flowlock.models.minimax_h3.context_parallel).
+    # a strict forward makes the same cut itself (H3's: flowlock.models.minimax_h3.context_parallel).
     return [name for name in hook_names(module) if not name.startswith(_CONTEXT_PARALLEL_HOOKS)]
 
 

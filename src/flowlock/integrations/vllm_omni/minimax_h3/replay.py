@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowlock.integrations.vllm_omni.inputs import documents, parse_inputs
+from flowlock.integrations.vllm_omni.minimax_h3.inputs import documents, parse_inputs
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,14 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import (
     MiniMaxH3TokenRefinerBlock,
 )
 
-from flowlock.integrations.vllm_omni import forward as strict
-from flowlock.integrations.vllm_omni.coverage import NativeRun
-from flowlock.integrations.vllm_omni.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
-from flowlock.integrations.vllm_omni.sequence_parallel import NativeUlysses
-from flowlock.integrations.vllm_omni.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
-from flowlock.integrations.vllm_omni.tensor_parallel import NativeTensorParallel
-from flowlock.models.minimax_h3.patch import make_patched_forward
+from flowlock.integrations.vllm_omni.minimax_h3 import forward as strict
+from flowlock.integrations.vllm_omni.minimax_h3.coverage import NativeRun
+from flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel import ATTRIBUTE as SP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.minimax_h3.sequence_parallel import NativeUlysses
+from flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel import ATTRIBUTE as TP_ATTRIBUTE
+from flowlock.integrations.vllm_omni.minimax_h3.tensor_parallel import NativeTensorParallel
+from flowlock.models.common.patched_forward import make_patched_forward
+from flowlock.models.common.run_context import active_run
 from flowlock.patching import PatchEntry, PatchHandle
 
 _LINEARS = ("video_patch_proj", "audio_patch_proj", "condition_proj", "final_layer.video_out",
@@ -37,7 +38,7 @@ def _model_call(model, arguments, stock):
 
 def _module_call(strict_fn):
     def call(module, arguments, stock):
-        run = strict.active_run() or NativeRun.for_module(module)
+        run = active_run() or NativeRun.for_module(module)
         if run.runs_own(module):
             return stock()
         return strict_fn(run, module, **arguments)
@@ -45,7 +46,7 @@ def _module_call(strict_fn):
 
 
 def _linear_call(module, arguments, stock):
-    run = strict.active_run() or NativeRun.for_module(module)
+    run = active_run() or NativeRun.for_module(module)
     if run.runs_own(module):
         return stock()
     (x,) = arguments.values()
@@ -53,13 +54,15 @@ def _linear_call(module, arguments, stock):
     return (y, None) if module.return_bias else y
 
 
-def build_plan(model: MiniMaxH3DiTModel, handle: PatchHandle, tensor_parallel: NativeTensorParallel | None = None,
-               sequence_parallel: NativeUlysses | None = None) -> list[PatchEntry]:
+def build_plan(model: MiniMaxH3DiTModel, handle: PatchHandle) -> list[PatchEntry]:
     """The entries routing ``model`` through the strict path under ``handle.mode``; each original
     forward (an instance-level one included) is read now: provider mode calls it, ``remove()``
-    restores it. With ``tensor_parallel`` (TP > 1) or ``sequence_parallel`` (Ulysses > 1) every
-    patched module also carries it, so a module called on its own sees the layout too; ``remove()``
-    drops it."""
+    restores it. The model's layout is set up first: Ulysses (``ulysses_degree > 1``) or TP > 1
+    (:class:`NativeUlysses`, :class:`NativeTensorParallel`, which raise ValueError for a layout the
+    strict path refuses); every patched module then carries it, so a module called on its own sees
+    the layout too; ``remove()`` drops it."""
+    sequence_parallel = NativeUlysses.for_model(model)
+    tensor_parallel = NativeTensorParallel.for_model(model)
     targets = [("", model, MiniMaxH3DiTModel, _model_call),
                ("token_refiner", model.token_refiner, MiniMaxH3TokenRefiner, _module_call(strict.refiner_forward))]
     targets += [(f"token_refiner.blocks.{i}", block, MiniMaxH3TokenRefinerBlock,
