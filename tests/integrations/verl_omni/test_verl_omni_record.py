@@ -7,7 +7,7 @@ from engine_inputs import ENGINE_CONFIG
 from verl_rollout import rollout_record, stack
 
 import flowlock
-from flowlock.integrations.verl_omni import RequestNoise, replay_log_prob, replay_step, row_widths
+from flowlock.integrations.verl_omni import RequestNoise, plugin, replay_log_prob, replay_step, row_widths
 from flowlock.models.minimax_h3 import make_h3
 from flowlock.rl import h3_schedules
 
@@ -44,6 +44,31 @@ def test_replayed_log_probs_have_the_rollouts_bits(strict_model, record, rows):
         result = _replay(strict_model, micro_batch, transition)
         assert torch.equal(result.log_prob.detach(), micro_batch["all_log_probs"][:, transition])
         assert result.log_prob.requires_grad
+
+
+@pytest.mark.parametrize("switch", ["strict", "off"])
+def test_a_vllm_omni_rollout_replays_to_its_bits_in_the_diffusers_actor(strict_model, monkeypatch, switch):
+    """The whole path: a rollout worker's native H3, put on the strict path by the vLLM plugin at load,
+    verl-omni's record, the diffusers actor's strict replay. Switched off, the worker's stock forward
+    computes the rollout and the same comparison sees the drift."""
+    from vllm_omni_env import build_native
+
+    monkeypatch.setenv(plugin.SWITCH_ENV, switch)
+    plugin.register()
+    try:
+        native = build_native(ENGINE_CONFIG, strict_model.state_dict())
+        assert plugin.installed(native) == (switch == "strict")
+        with flowlock.mode("strict"):
+            record = stack([rollout_record(strict_model, RequestNoise(77, i), prompt_seed=20 + i, num_steps=NUM_STEPS,
+                                           selected=SELECTED, eta=ETA, native=native) for i in range(2)])
+    finally:
+        plugin.unregister()
+    equal = []
+    for rows in ([1], [1, 0]):
+        for transition in range(len(SELECTED)):
+            result = _replay(strict_model, record[rows], transition)
+            equal.append(torch.equal(result.log_prob.detach(), record[rows]["all_log_probs"][:, transition]))
+    assert all(equal) if switch == "strict" else not any(equal)
 
 
 def test_the_comparison_sees_a_different_noise_level(strict_model, record):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from engine_inputs import make_request
+from engine_inputs import make_request, native_kwargs
 from tensordict import TensorDict
 
 from flowlock.integrations.verl_omni import RequestNoise, row_widths
@@ -28,8 +28,10 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def rollout_record(model, key: RequestNoise, *, prompt_seed: int, num_steps: int, selected: set[int],
-                   eta: float) -> dict[str, torch.Tensor]:
-    """One request's record (every field with batch 1). ``model``: a diffusers H3 (patched or not)."""
+                   eta: float, native=None) -> dict[str, torch.Tensor]:
+    """One request's record (every field with batch 1). ``model``: a diffusers H3 (patched or not), which
+    computes the velocities unless ``native`` (a vLLM-Omni ``MiniMaxH3DiTModel``) is given: then the
+    native model does, on vLLM-Omni's own forward kwargs for the request (padded to 64 rows)."""
     request = make_request(prompt_seed)
     branch = request.branch
     seq_len = branch.used_len
@@ -50,9 +52,14 @@ def rollout_record(model, key: RequestNoise, *, prompt_seed: int, num_steps: int
     for k in range(sched.num_transitions):
         timestep = torch.stack([sched.video_timesteps[k], sched.audio_timesteps[k]])
         with torch.no_grad():
-            v_video, v_audio = model(hidden_states=video, audio_hidden_states=audio,
-                                     encoder_hidden_states=request.text[None], timestep=timestep,
-                                     timestep_indices=timestep_indices, **layout, return_dict=False)
+            if native is None:
+                v_video, v_audio = model(hidden_states=video, audio_hidden_states=audio,
+                                         encoder_hidden_states=request.text[None], timestep=timestep,
+                                         timestep_indices=timestep_indices, **layout, return_dict=False)
+            else:
+                request.video, request.audio = video[0], audio[0]
+                request.t_video, request.t_audio = float(timestep[0]), float(timestep[1])
+                v_video, v_audio = (v[None] for v in native(**native_kwargs([request])))
         noise_v, noise_a = key.step(k, (nv, cv), (na, ca))
         level = eta if k in selected else 0.0
         one = lambda grid, i: grid[i].reshape(1)
