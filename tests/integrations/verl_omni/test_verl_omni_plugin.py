@@ -117,3 +117,12 @@ def test_vllms_own_plugin_loader_runs_the_entry_point(tmp_path):
     done = subprocess.run([sys.executable, "-c", _THROUGH_VLLM], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "wrapped"
+
+
+def test_importing_the_package_and_the_plugin_imports_no_engine():
+    code = ("import sys, flowlock.integrations.verl_omni, flowlock.integrations.verl_omni.plugin as p; "
+            "p.register(); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('vllm', 'vllm_omni', 'verl', 'verl_omni', 'tensordict')); assert not bad, bad")
+    env = {k: v for k, v in os.environ.items() if k != plugin.SWITCH_ENV}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
