@@ -145,3 +145,7 @@ def test_every_malformed_field_is_refused_by_name(strict_model, record):
         replay_step(record, 1, h3_schedules(NUM_STEPS + 1, convention="evaluations"), row_widths=widths)
     with pytest.raises(TypeError, match="schedules"):
         replay_step(record, 0, sched.video_sigmas, row_widths=widths)
+    with pytest.raises(ValueError, match="row_widths"):
+        replay_step(record, 0, sched, row_widths=(96, 0))
+    with pytest.raises(KeyError, match="'h3_seq_len', 'prompt_embeds'"):
+        replay_step(record.exclude("prompt_embeds", "h3_seq_len"), 0, sched, row_widths=widths)

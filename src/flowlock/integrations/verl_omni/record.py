@@ -166,7 +166,7 @@ def _text_len(record: Mapping, batch: int) -> int:
         raise ValueError(f"record['prompt_embeds_mask'] must have {batch} rows, got {tuple(mask.shape)}")
     lengths = mask.long().sum(dim=1)
     n = int(lengths[0])
-    # A request's text rows come first and are contiguous: the mask is a prefix of ones.
+    # The prompt's embeddings are padded at the end: the mask is ones, then zeros.
     prefix = torch.arange(mask.shape[1], device=mask.device) < n
     if not bool((lengths == n).all()) or not bool((mask.bool() == prefix).all()):
         raise ValueError(f"record['prompt_embeds_mask'] must mark the same prefix of text rows for every request, "
@@ -199,7 +199,13 @@ def replay_step(record: Mapping, transition: int, schedules: H3Schedules, *,
     """
     if not isinstance(schedules, H3Schedules):
         raise TypeError(f"schedules must be flowlock.rl.H3Schedules, got {type(schedules).__name__}")
+    if (not isinstance(row_widths, tuple) or len(row_widths) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in row_widths)):
+        raise ValueError(f"row_widths must be a tuple of two positive ints (Cv, Ca), got {row_widths!r}")
     cv, ca = row_widths
+    missing = [key for key in REQUIRED_KEYS if key not in record.keys()]
+    if missing:
+        raise KeyError(f"the H3 rollout record has no field {', '.join(map(repr, missing))}")
     latents = check_tensor("record['all_latents']", _field(record, "all_latents"), dtypes=(torch.float32,), ndim=4)
     batch, selected = latents.shape[0], latents.shape[1]
     device = latents.device
