@@ -11,6 +11,7 @@ SRC = pathlib.Path(flowlock.__file__).parent
 RANK = {
     "flowlock.modes": 0,
     "flowlock.dispatch": 1,
+    "flowlock.finite": 1,
     "flowlock.keys": 2,
     "flowlock.config": 3,
     "flowlock.testing": 4,
@@ -20,6 +21,7 @@ RANK = {
     "flowlock.rl": 5,
     "flowlock.parallel": 5,
     "flowlock.checkpoint": 5,
+    "flowlock.patch_guard": 5.5,  # above the walk it reuses (cuda_graphs) and patching, below models
     "flowlock.models": 6,
     "flowlock": 7,
     "flowlock.integrations": 8,
