@@ -9,8 +9,8 @@ when a flag is set does it look further, to name the tensor and the sample.
 The sync is skipped where it is illegal or breaks a graph: while ``torch.compile`` traces and while a
 CUDA graph is being captured (the graphed H3 path checks each replay's inputs on the host before it
 copies them). ``with flowlock.nonfinite_check(False):`` turns the check off (thread-local and
-reentrant, like :func:`flowlock.mode`), for callers who cannot afford a sync per forward; the H200
-cost at full depth is in ``docs/performance.md`` (``benchmarks/bench_nonfinite.py`` measures it).
+reentrant, like :func:`flowlock.mode`), for callers who cannot afford a sync per forward
+(``benchmarks/bench_nonfinite.py`` measures its cost at full depth on a GPU).
 """
 
 from __future__ import annotations
