@@ -14,6 +14,7 @@ SRC = pathlib.Path(flowlock.__file__).parent
 RANK = {
     "flowlock.modes": 0,
     "flowlock.dispatch": 1,
+    "flowlock.finite": 1,
     "flowlock.keys": 2,
     "flowlock.config": 3,
     "flowlock.testing": 4,
@@ -23,6 +24,7 @@ RANK = {
     "flowlock.rl": 5,
     "flowlock.parallel": 5,
     "flowlock.checkpoint": 5,
+    "flowlock.patch_guard": 5.5,  # above the walk it reuses (cuda_graphs) and patching, below models
     "flowlock.models.common": 6,
     "flowlock.models": 7,
     "flowlock": 8,

@@ -6,6 +6,7 @@ side effects: modes are entered explicitly with :func:`mode` / :func:`set_mode`.
 
 from flowlock import models  # noqa: F401  registers the model families' patch plans (imports none of them)
 from flowlock.dispatch import use_backend
+from flowlock.finite import nonfinite_check
 from flowlock.modes import Fallback, ModeHandle, StrictModeError, current_mode, mode, set_mode
 from flowlock.patching import PatchHandle, patch  # diffusers is imported only when patch() runs
 
@@ -18,6 +19,7 @@ __all__ = [
     "StrictModeError",
     "current_mode",
     "mode",
+    "nonfinite_check",
     "patch",
     "set_mode",
     "use_backend",

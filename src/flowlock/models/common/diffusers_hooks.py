@@ -77,6 +77,12 @@ def compute_param(module: nn.Module, name: str) -> torch.Tensor | None:
     return param.to(hook.compute_dtype)
 
 
+def compute_dtype(module: nn.Module, t: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`compute_param` gives ``t``, a tensor registered on ``module``, without casting it."""
+    hook = _diffusers_hooks(module).get(LAYERWISE_CASTING)
+    return hook.compute_dtype if hook is not None and t.is_floating_point() else t.dtype
+
+
 def casts_lora_input(module: nn.Module) -> bool:
     """Whether peft casts a LoRA layer's input to the adapter dtype: not when the layer's
     ``cast_input_dtype_enabled`` is off or diffusers' autocast-disable hook turns it off in forward."""

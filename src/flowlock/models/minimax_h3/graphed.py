@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from flowlock.cuda_graphs import CapturedCall, capture
+from flowlock.finite import check_finite_samples
 from flowlock.models.minimax_h3.context_parallel import context_parallel_config
 from flowlock.models.minimax_h3.structure import validate_structure
 
@@ -28,11 +29,13 @@ MODEL_INPUTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states",
 
 
 def validate_inputs(inputs: Mapping[str, torch.Tensor]) -> None:
-    """The strict forward's structural checks on the model arguments among ``inputs``."""
+    """The strict forward's structural checks on the model arguments among ``inputs``, and its
+    non-finite check of the latents (one host sync, before anything is copied; switchable as there)."""
     missing = [n for n in MODEL_INPUTS if n not in inputs]
     if missing:
         raise ValueError(f"a captured H3 call takes the model's inputs by name; missing: {', '.join(missing)}")
     validate_structure(**{n: inputs[n] for n in MODEL_INPUTS})
+    check_finite_samples([(n, inputs[n]) for n in MODEL_INPUTS[:3]])  # the latents; a replay runs no Python forward
 
 
 def capture_h3(model: nn.Module, fn: Callable[..., Any], inputs: Mapping[str, torch.Tensor],

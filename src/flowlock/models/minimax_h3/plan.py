@@ -23,6 +23,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (
 from flowlock.models.common.diffusers_hooks import target_hooks
 from flowlock.models.common.patched_forward import make_patched_forward
 from flowlock.models.minimax_h3.context_parallel import check_layout as check_context_parallel_layout
+from flowlock.models.minimax_h3.guards import plan_dtypes
 from flowlock.models.minimax_h3.patch import (
     strict_block_call,
     strict_linear_call,
@@ -43,7 +44,8 @@ def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[
     divide the heads), before anything is patched. Each original forward is read now, so a
     pre-existing instance-level ``forward`` (another wrapper) is what provider mode calls and what
     ``remove()`` restores. Raises StrictModeError naming the module and its hooks when a target's
-    forward is wrapped by a diffusers or accelerate hook.
+    forward is wrapped by a diffusers or accelerate hook. Raises TypeError naming the module and tensor
+    for dtypes the strict path cannot run (:func:`flowlock.models.minimax_h3.guards.plan_dtypes`).
     """
     check_context_parallel_layout(model)
     targets = [("", model, MiniMaxH3Transformer3DModel, strict_model_call)]
@@ -62,5 +64,6 @@ def build_plan(model: MiniMaxH3Transformer3DModel, handle: PatchHandle) -> list[
             raise StrictModeError(f"{name or '<root>'} carries hook {', '.join(target_hooks(module))}: call "
                                   "flowlock.patch before enabling diffusers hooks (enable_layerwise_casting, "
                                   "enable_group_offload, enable_model_cpu_offload), which then wrap the strict path")
+    plan_dtypes(model)  # TypeError for dtypes the strict path cannot run; records them for call-time checks
     return [PatchEntry(name, "forward", make_patched_forward(module, module.forward, handle, call), kind)
             for name, module, kind, call in targets]

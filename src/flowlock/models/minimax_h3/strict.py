@@ -54,6 +54,7 @@ from flowlock.models.common.module_class import module_class
 from flowlock.models.common.peft_lora import is_peft_lora, lora_unsupported_reason, strict_lora_linear
 from flowlock.models.common.run_context import STRICT_MARK, RunDecisions, call_with_run, is_strict, kept_slot
 from flowlock.models.minimax_h3.context_parallel import sequence_plan
+from flowlock.models.minimax_h3.guards import check_call
 from flowlock.models.minimax_h3.skeleton import MODALITIES, block_body, refiner_body
 from flowlock.models.minimax_h3.structure import validate_structure
 from flowlock.modes import StrictModeError, fallback_or_raise
@@ -488,13 +489,16 @@ def strict_forward(model: nn.Module, hidden_states: torch.Tensor, audio_hidden_s
 
     Guarantees: every output and gradient element is a pure function of its sample (batch
     invariance) and bitwise repeatable, given the ops' contracts. The structural inputs are
-    validated once, here, before any op runs (ValueError / TypeError naming the argument).
+    validated once, here, before any op runs (ValueError / TypeError naming the argument), and so are
+    the model's dtypes and devices and the latents' finiteness (:mod:`flowlock.models.minimax_h3.guards`).
     """
     seq_len = validate_structure(
         hidden_states=hidden_states, audio_hidden_states=audio_hidden_states,
         encoder_hidden_states=encoder_hidden_states, timestep=timestep, timestep_indices=timestep_indices,
         token_tags=token_tags, position_ids=position_ids, video_indices=video_indices,
         audio_indices=audio_indices, text_indices=text_indices)
+    # before any op: the model's dtypes / devices against its patch, NaN / Inf in the latents (one sync)
+    check_call(model, hidden_states, audio_hidden_states, encoder_hidden_states)
     sequence = sequence_plan(model, [position_ids, timestep_indices, token_tags, video_indices, audio_indices,
                                      text_indices], hidden_states.shape[0], STRICT_MARK)
     run = Run.for_model(model, sequence)
