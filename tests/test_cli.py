@@ -110,6 +110,12 @@ def test_counts_must_be_positive_before_anything_runs(flag, capsys):
     assert f"argument {flag}: must be a positive integer, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [["--plot", "x.png"], ["--rounds", "3"], ["--seq", "64"], ["--width", "full"]])
+def test_cross_engine_demo_refuses_flags_it_would_ignore(extra, capsys):
+    assert main(["demo", "--rollout", "vllm-omni", *extra]) == 2
+    assert f"does not take {extra[0]}" in capsys.readouterr().err
+
+
 def test_model_dir_loads_checkpoint_dtypes(tmp_path):
     """``--model DIR`` loads a diffusers checkpoint with its mixed precision (FP32 modules kept)."""
     import torch

@@ -74,6 +74,14 @@ def _across_engines(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.rollout == "vllm-omni":
+        ignored = [flag for flag, value, default in (("--model", args.model, None), ("--plot", args.plot, None),
+                                                     ("--width", args.width, "tiny"), ("--layers", args.layers, 2),
+                                                     ("--seq", args.seq, None), ("--rounds", args.rounds, 5))
+                   if value != default]
+        if ignored:
+            print(f"flowlock demo: --rollout vllm-omni runs its own tiny H3 and no timing; it does not take "
+                  f"{', '.join(ignored)}", file=sys.stderr)
+            return 2
         return _across_engines(args)
     from flowlock.models.minimax_h3.layout import layout_for_length
     from flowlock.validate.demo import load_model, run_demo
@@ -257,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--width", choices=("tiny", "full"), default="tiny",
                       help="random-weight model without --model: the embedded tiny H3 or H3's full widths")
     demo.add_argument("--layers", type=_positive_int, default=2, help="blocks of the full-width model (default 2)")
-    demo.add_argument("--seq", type=int, default=None, help="packed rows per sample (default: 24)")
+    demo.add_argument("--seq", type=int, default=None,
+                      help="rows in each sample's sequence, text + video + audio (default: the tiny H3's 24)")
     demo.set_defaults(func=cmd_demo)
     rollout = dict(choices=("diffusers", "vllm-omni"), default="diffusers",
                    help="the rollout engine: diffusers (one engine) or vLLM-Omni (replayed in diffusers)")
