@@ -111,7 +111,7 @@ def stock_drift_lines(payload: dict) -> list[str]:
         return lines
     batchings = "; ".join(_batching(run) for run in runs)
     lines.append(f"stock agreed bitwise between rollout and replay in every replay batching checked here "
-                 f"({batchings}): on this machine its drift does not reach the velocities for these shapes.")
+                 f"({batchings}): on this machine its drift did not reach the velocities in these runs.")
     gpu = payload["gpu_evidence"]
     if gpu is None:
         lines.append("The committed GPU run of this demo (benchmarks/results/) is not in this installation; README's "
