@@ -110,6 +110,11 @@ def test_counts_must_be_positive_before_anything_runs(flag, capsys):
     assert f"argument {flag}: must be a positive integer, got 0" in capsys.readouterr().err
 
 
+def test_a_sequence_too_short_is_refused_before_any_model(capsys):
+    assert main(["demo", "--seq", "3"]) == 2
+    assert "--seq 3: a sequence of 3 rows is too short" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra", [["--plot", "x.png"], ["--rounds", "3"], ["--seq", "64"], ["--width", "full"]])
 def test_cross_engine_demo_refuses_flags_it_would_ignore(extra, capsys):
     assert main(["demo", "--rollout", "vllm-omni", *extra]) == 2

@@ -88,8 +88,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flowlock.validate.demo_report import demo_blocks
     from flowlock.validate.report import show, write_json
 
+    try:
+        layout = None if args.seq is None else layout_for_length(args.seq)
+    except ValueError as err:
+        print(f"flowlock demo: --seq {args.seq}: {err}", file=sys.stderr)
+        return 2
     device = _device(args.device)
-    layout = None if args.seq is None else layout_for_length(args.seq)
     model, description = load_model(args.model, device, args.width, args.layers)
     try:
         payload = run_demo(model, description, samples=args.samples, steps=args.steps, layout=layout,
@@ -137,19 +141,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return _trace_layout(args)
     if args.rollout == "vllm-omni":
         return _across_engines(args)
-    from flowlock.validate.batch_trace import BATCH, POSITION, describe, run_traces
+    from flowlock.validate.batch_trace import run_traces, trace_lines
     from flowlock.validate.demo import load_model
     from flowlock.validate.report import show, write_json
 
     device = _device(args.device)
     model, description = load_model(None, device)
     results = run_traces(model)
-    show([f"flowlock trace: {description} on {device}, one sample alone vs at position {POSITION} of a batch of "
-          f"{BATCH}",
-          f"  strict: {describe(results['strict'])}",
-          f"  stock : {describe(results['provider'])}",
-          f"  (strict: {results['strict']['records']} module outputs, from the modules the strict forward still calls "
-          "as modules; the flowlock ops inside them are not hooked)"])
+    show(trace_lines(results, f"{description} on {device}"))
     if args.json:
         write_json(args.json, results)
     return 0 if results["strict"]["divergence"] is None else 1
@@ -159,15 +158,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     if getattr(args, "layout", None):
         return _check_layout(args)
     from flowlock.validate.demo import load_model
-    from flowlock.validate.report import Table, show, write_json
-    from flowlock.validate.suites import run_suites
+    from flowlock.validate.report import show, write_json
+    from flowlock.validate.suites import run_suites, suites_table
 
     device = _device(args.device)
     model, description = load_model(None, device)
     results = run_suites(model)
-    rows = tuple(("PASS" if r["passed"] else "FAIL", name, r["covers"] + (f" ({r['error']})" if "error" in r else ""))
-                 for name, r in results.items())
-    show([Table(f"flowlock check: {description} on {device}", ("result", "suite", "what it covers"), rows)])
+    show([suites_table(results, f"flowlock check: {description} on {device}")])
     if args.json:
         write_json(args.json, results)
     return 0 if all(r["passed"] for r in results.values()) else 1

@@ -52,3 +52,12 @@ def describe(result: dict) -> str:
     return (f"first differs at {which}{div['module']} (module output {div['position'] + 1} of {result['records']} in "
             f"completion order): {div['mismatches']} of {div['numel']} elements, max |diff| {div['max_abs_diff']:.1e} "
             f"(largest value {div['max_abs_ref']:.1e}); {reached}")
+
+
+def trace_lines(results: dict, subject: str) -> list[str]:
+    """``flowlock trace``'s report of :func:`run_traces` ``results`` on ``subject`` (model and device)."""
+    return [f"flowlock trace: {subject}, one sample alone vs at position {POSITION} of a batch of {BATCH}",
+            f"  strict: {describe(results['strict'])}",
+            f"  stock : {describe(results['provider'])}",
+            f"  (strict: {results['strict']['records']} module outputs, from the modules the strict forward still "
+            "calls as modules; the flowlock ops inside them are not hooked)"]

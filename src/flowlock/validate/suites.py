@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from flowlock.validate.batch_trace import BATCH, POSITION, run_traces
 from flowlock.validate.chain import chain_replay
 from flowlock.validate.consistency import run_consistency
+from flowlock.validate.report import Table
 
 CONSISTENCY_SAMPLES, CONSISTENCY_STEPS = 3, 2
 
@@ -59,3 +60,11 @@ def run_suites(model) -> dict[str, dict]:
             result = {"passed": False, "error": f"{type(err).__name__}: {err}"}
         results[suite.name] = {"covers": suite.covers, **result}
     return results
+
+
+def suites_table(results: dict[str, dict], title: str) -> Table:
+    """:func:`run_suites` ``results`` as a table: PASS / FAIL, the suite, what it covers (and why it
+    could not run, if it could not)."""
+    rows = tuple(("PASS" if r["passed"] else "FAIL", name, r["covers"] + (f" ({r['error']})" if "error" in r else ""))
+                 for name, r in results.items())
+    return Table(title, ("result", "suite", "what it covers"), rows)
