@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     args = parser.parse_args(argv)
-    from flowlock.validate.engines import engine_demo, format_report
+    from flowlock.validate.engines import engine_demo, report_blocks
+    from flowlock.validate.report import show
 
     vllm_omni_env.ensure_runtime()
     if PURE_PYTHON:
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
             run = {"ok": False, "error": f"{type(err).__name__}: {err}"}
             print(f"[{name}] FAILED: {run['error']}", flush=True)
         else:
-            print(f"[{name}]\n{format_report(run)}", flush=True)
+            show([f"[{name}]", *report_blocks(run)])
         run["seconds"] = round(time.perf_counter() - t0, 1)
         payload["runs"][name] = run
         ok = ok and run["ok"]

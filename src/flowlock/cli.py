@@ -1,10 +1,11 @@
-"""``flowlock`` command line: demo, check, trace, bench, convert.
+"""``flowlock`` command line: demo, check, trace, bench, convert. Argument parsing and dispatch only:
+the runs and their reports live in :mod:`flowlock.validate` (reports: :mod:`flowlock.validate.report`,
+``rich`` tables on a terminal, plain text otherwise, JSON with ``--json``).
 
-``flowlock demo``   the conditioning-chain table (strict and provider: invariance, repeatability
-                    per stage) and the RL rollout/replay consistency run side by side;
+``flowlock demo``   one RL step, strict against stock diffusers (:mod:`flowlock.validate.demo`);
                     ``--rollout vllm-omni`` samples in vLLM-Omni and replays in diffusers instead.
-``flowlock check``  the validation suites; exit status 1 on any failure.
-``flowlock trace``  first divergence between a sample alone and inside a batch, strict and provider;
+``flowlock check``  the validation suites (:mod:`flowlock.validate.suites`); exit status 1 on any failure.
+``flowlock trace``  first divergence between a sample alone and inside a batch, strict and stock;
                     ``--rollout vllm-omni``: the first module where vLLM-Omni and diffusers differ;
                     ``--layout L [--against ulysses=1]``: the first module and rank where layout L
                     differs from one process (gloo subprocesses).
@@ -40,121 +41,11 @@ def _device(name: str):
     return torch.device(name)
 
 
-def _load_model(model_dir: str | None, device, width: str = "tiny", layers: int = 2):
-    """The diffusers H3 from ``model_dir`` (checkpoint dtypes: BF16 with the FP32 modules), else a
-    random-weight H3: the embedded tiny one, or H3's full widths with ``layers`` blocks."""
-    import torch
-
-    if model_dir is None and width == "tiny":
-        from flowlock.models.minimax_h3.tiny import tiny_h3
-
-        return tiny_h3(device=device), "tiny embedded H3 (random weights)"
-    if model_dir is None:
-        from flowlock.models.minimax_h3.tiny import full_width_config, make_h3
-
-        model = make_h3(full_width_config(num_layers=layers, num_refiner_layers=1), device=device,
-                        draw_on_device=device.type == "cuda")
-        return model, f"full-width H3, {layers} blocks + 1 refiner block (random weights)"
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    model = MiniMaxH3Transformer3DModel.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
-    return model.to(device).eval(), f"diffusers checkpoint {model_dir}"
-
-
-def _patch(model):
-    import flowlock
-
-    return flowlock.patch(model, mode="strict")
-
-
-def _model_backends(model) -> list[str]:
-    """The (op, backend) pairs one strict forward of ``model`` actually dispatched to."""
-    import torch
-
-    import flowlock
-    from flowlock.models.minimax_h3.tiny import tiny_inputs
-
-    device = next(model.parameters()).device
-    inputs = tiny_inputs(1, seed=0, config=dict(model.config), device=device)
-    handle = _patch(model)
-    try:
-        with torch.no_grad(), flowlock.mode("strict") as frame:
-            model(**inputs)
-    finally:
-        handle.remove()
-    return sorted({f"{op}:{backend}" for op, backend in frame.ran})
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "NO"
-
-
-def chain_table(report: dict) -> str:
-    """The per-stage table of a :func:`flowlock.validate.chain.chain_replay` report."""
-    head = (f"{'stage':18s} | {'strict repeat':13s} {'strict invariant':16s} | {'provider repeat':15s} "
-            f"{'provider invariant':18s} | {'chained = provider':18s} {'local = provider':16s}")
-    lines = [head, "-" * len(head)]
-    for ours, theirs in zip(report["flowlock"]["stages"], report["provider"]["stages"]):
-        chained = "yes" if ours["chained_vs_provider"] else f"no ({ours['chained_mismatches']}/{ours['numel']})"
-        local = "yes" if ours["local_vs_provider"] else f"no ({ours['local_mismatches']}/{ours['numel']})"
-        lines.append(f"{ours['stage']:18s} | {_yes(ours['repeat_equal']):13s} {_yes(ours['invariant']):16s} | "
-                     f"{_yes(theirs['repeat_equal']):15s} {_yes(theirs['invariant']):18s} | {chained:18s} {local:16s}")
-    for name in ("flowlock", "provider"):
-        path = report[name]
-        if path["grads"]:
-            varying = [g["param"] for g in path["grads"] if not g["repeat_equal"]]
-            label = "strict" if name == "flowlock" else name
-            lines.append(f"{label} backward: {len(path['grads']) - len(varying)}/{len(path['grads'])} parameter "
-                         f"gradients repeatable; input gradient repeatable {_yes(path['x_grad_repeat_equal'])}, "
-                         f"invariant {_yes(path['x_grad_invariant'])}")
-    lines.append(f"first stage where strict and provider part: {report['first_drifting_stage'] or 'none'}")
-    return "\n".join(lines)
-
-
-def consistency_table(strict: dict, provider: dict) -> str:
-    """Per-step strict vs provider rollout/replay log-prob agreement."""
-    head = (f"{'step':4s} | {'strict max|dlogp|':17s} {'mismatch':8s} {'ratio spread':12s} | "
-            f"{'provider max|dlogp|':19s} {'mismatch':8s} {'ratio spread':12s}")
-    lines = [head, "-" * len(head)]
-    for s, p in zip(strict["per_step"], provider["per_step"]):
-        lines.append(f"{s['step']:4d} | {s['max_abs_dlogp']:17.3e} {s['logp_mismatches']:8d} "
-                     f"{s['ratio_spread']:12.3e} | {p['max_abs_dlogp']:19.3e} {p['logp_mismatches']:8d} "
-                     f"{p['ratio_spread']:12.3e}")
-    lines.append(f"velocity elements differing rollout vs replay: strict "
-                 f"{sum(s['velocity_mismatches'] for s in strict['per_step'])}, provider "
-                 f"{sum(s['velocity_mismatches'] for s in provider['per_step'])} of "
-                 f"{sum(s['velocity_elements'] for s in strict['per_step'])}")
-    per = {name: (r["seconds"]["rollout"] + r["seconds"]["replay"]) / r["seconds"]["timed_transitions"]
-           for name, r in (("strict", strict), ("provider", provider))}
-    lines.append(f"wall seconds per RL step (rollout + replay of one transition, from the second step on when there "
-                 f"is one: the first compiles kernels): strict {per['strict']:.3f}, provider {per['provider']:.3f} "
-                 f"(ratio {per['strict'] / per['provider']:.2f})")
-    return "\n".join(lines)
-
-
-def _plot_demo(payload: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_d, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, marker in (("strict", "o"), ("provider", "s")):
-        steps = payload["consistency"][mode]["per_step"]
-        ax_d.plot([s["step"] for s in steps], [s["max_abs_dlogp"] for s in steps], marker=marker, label=mode)
-        ax_m.plot([s["step"] for s in steps], [s["logp_mismatches"] for s in steps], marker=marker, label=mode)
-    ax_d.set_yscale("symlog", linthresh=1e-8)
-    ax_d.set_xlabel("step")
-    ax_d.set_ylabel("max |logp replay - logp rollout|")
-    ax_m.set_xlabel("step")
-    ax_m.set_ylabel("samples with differing log-prob bits")
-    for ax in (ax_d, ax_m):
-        ax.legend()
-    fig.suptitle(f"flowlock demo on {payload['device']}: rollout vs replay", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def _across_engines(args: argparse.Namespace) -> int:
@@ -166,7 +57,8 @@ def _across_engines(args: argparse.Namespace) -> int:
               "(see requirements/vllm-cpu.txt)", file=sys.stderr)
         return 2
     from flowlock.integrations.vllm_omni.runtime import NoAttentionBackend
-    from flowlock.validate.engines import engine_demo, format_report
+    from flowlock.validate.engines import engine_demo, report_blocks
+    from flowlock.validate.report import show, write_json
 
     try:
         payload = engine_demo(_device(args.device), **({"n_requests": args.samples, "steps": args.steps}
@@ -174,101 +66,50 @@ def _across_engines(args: argparse.Namespace) -> int:
     except NoAttentionBackend as err:
         print(f"flowlock: {err}", file=sys.stderr)
         return 2
-    print(format_report(payload))
+    show(report_blocks(payload))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0 if payload["ok"] else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.rollout == "vllm-omni":
+        ignored = [flag for flag, value, default in (("--model", args.model, None), ("--plot", args.plot, None),
+                                                     ("--width", args.width, "tiny"), ("--layers", args.layers, 2),
+                                                     ("--seq", args.seq, None), ("--rounds", args.rounds, 5))
+                   if value != default]
+        if ignored:
+            print(f"flowlock demo: --rollout vllm-omni runs its own tiny H3 and no timing; it does not take "
+                  f"{', '.join(ignored)}", file=sys.stderr)
+            return 2
         return _across_engines(args)
     from flowlock.models.minimax_h3.layout import layout_for_length
-    from flowlock.validate.chain import chain_replay
-    from flowlock.validate.consistency import run_consistency
+    from flowlock.validate.demo import load_model, run_demo
+    from flowlock.validate.demo_report import demo_blocks
+    from flowlock.validate.report import show, write_json
 
-    device = _device(args.device)
-    model, origin = _load_model(args.model, device, args.width, args.layers)
-    layout = None if args.seq is None else layout_for_length(args.seq)
-    print(f"flowlock demo: {origin} on {device}")
-    chain = chain_replay(model)
-    backends = _model_backends(model)
-    print(f"flowlock ops ran on: {', '.join(sorted(set(chain['backends']) | set(backends)))}")
-    print("\nconditioning chain (timestep -> AdaLN -> modulation), sample alone vs in a batch of "
-          f"{chain['batch']}, {chain['repeats']} repeats:")
-    print(chain_table(chain))
     try:
-        if device.type == "cuda":
-            # One untimed pass per mode first, so kernel compilation stays out of the step times.
-            for mode in ("strict", "provider"):
-                run_consistency(model, n_samples=1, steps=1, layout=layout, mode=mode)
-        runs = {mode: run_consistency(model, n_samples=args.samples, steps=args.steps, layout=layout, mode=mode)
-                for mode in ("strict", "provider")}
-    except NotImplementedError as err:  # run_consistency's documented signal that a strict piece is missing
-        print(f"\nRL consistency could not run strict: {err}", file=sys.stderr)
+        layout = None if args.seq is None else layout_for_length(args.seq)
+    except ValueError as err:
+        print(f"flowlock demo: --seq {args.seq}: {err}", file=sys.stderr)
         return 2
-    strict, provider = runs["strict"], runs["provider"]
-    print(f"\nRL consistency: {args.samples} samples x {strict['transitions']} CPS steps, rollout batch "
-          f"{strict['rollout_batch']}, replay micro-batch {strict['replay_micro_batch']} "
-          f"({strict['replay_order']} order), {strict['log_prob_flavour']} log-probs:")
-    print(consistency_table(strict, provider))
-    provider_clean = provider["bitwise_equal"] and all(s["logp_mismatches"] == 0 for s in provider["per_step"])
-    if provider_clean and device.type == "cpu":
-        print("note: the provider shows no mismatches here. On a CPU at tiny sizes stock PyTorch often looks "
-              "batch-invariant; that is what was measured, not a property of the provider. The discriminating "
-              "evidence is on a GPU.")
-    ok = chain["ok"] and strict["bitwise_equal"]
-    print(f"\nstrict path exactly on-policy here: {_yes(ok)}")
-    payload = {"device": str(device), "model": origin, "backends": sorted(set(chain["backends"]) | set(backends)),
-               "chain": chain, "consistency": runs, "ok": ok}
+    device = _device(args.device)
+    model, description = load_model(args.model, device, args.width, args.layers)
+    try:
+        payload = run_demo(model, description, samples=args.samples, steps=args.steps, layout=layout,
+                           rounds=args.rounds, evidence_root=_repo_root())
+    except NotImplementedError as err:  # run_consistency's documented signal that a strict piece is missing
+        print(f"flowlock demo: the strict path cannot run this model: {err}", file=sys.stderr)
+        return 2
+    show(demo_blocks(payload))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
         print(f"wrote {args.json}")
     if args.plot:
-        _plot_demo(payload, Path(args.plot))
-        print(f"wrote {args.plot}")
-    return 0 if ok else 1
+        from flowlock.validate.demo_plot import plot_demo
 
-
-def _trace_alone_vs_batched(model, mode: str, batch: int = 3, position: int = 1) -> dict:
-    import flowlock
-    from flowlock.models.minimax_h3.tiny import tiny_inputs
-    from flowlock.validate.trace import trace
-
-    device = next(model.parameters()).device
-    inputs = tiny_inputs(batch, seed=1, config=dict(model.config), device=device)
-    batched = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
-    alone = {k: (v[position:position + 1] if k in batched else v) for k, v in inputs.items()}
-
-    def run(kwargs):
-        def call():
-            with flowlock.mode(mode):
-                return model(**kwargs)
-        return call
-
-    return trace(model, run(alone), run(inputs), batch_a=1, batch_b=batch, sample_a=0, sample_b=position)
-
-
-def run_traces(model) -> dict:
-    """Alone vs batched first-divergence traces of ``model``, strict (patched) and provider."""
-    handle = _patch(model)
-    try:
-        return {mode: _trace_alone_vs_batched(model, mode) for mode in ("strict", "provider")}
-    finally:
-        handle.remove()
-
-
-def _describe(result: dict) -> str:
-    div = result["divergence"]
-    if div is None:
-        return f"no divergence ({result['records']} module outputs compared)"
-    if div["kind"] == "structure":
-        return f"structure differs at record {div['position']}: {div['module']}"
-    return (f"first divergence at {div['module']} (output {div['output']}, record {div['position']} of "
-            f"{result['records']}): {div['mismatches']}/{div['numel']} elements, max |diff| "
-            f"{div['max_abs_diff']:.3e} (max |ref| {div['max_abs_ref']:.3e})")
+        print(f"wrote {plot_demo(payload, args.plot)}")
+    return 0 if payload["ok"] else 1
 
 
 def _trace_layout(args: argparse.Namespace) -> int:
@@ -306,58 +147,32 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return _trace_layout(args)
     if args.rollout == "vllm-omni":
         return _across_engines(args)
+    from flowlock.validate.batch_trace import run_traces, trace_lines
+    from flowlock.validate.demo import load_model
+    from flowlock.validate.report import show, write_json
+
     device = _device(args.device)
-    model, origin = _load_model(None, device)
+    model, description = load_model(None, device)
     results = run_traces(model)
-    print(f"flowlock trace: {origin} on {device}, one sample alone vs at position 1 of 3")
-    for mode, result in results.items():
-        print(f"  {mode:8s}: {_describe(result)}")
-    print(f"  (strict: {results['strict']['records']} hooked outputs, from the modules the strict forward still "
-          "calls as modules; the flowlock ops inside them are not hooked)")
+    show(trace_lines(results, f"{description} on {device}"))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
     return 0 if results["strict"]["divergence"] is None else 1
-
-
-def _suite_chain(model) -> dict:
-    from flowlock.validate.chain import chain_replay
-
-    chain = chain_replay(model)
-    return {"passed": chain["ok"], "first_drifting_stage": chain["first_drifting_stage"]}
-
-
-def _suite_trace(model) -> dict:
-    div = run_traces(model)["strict"]["divergence"]
-    return {"passed": div is None, "divergence": div}
-
-
-def _suite_consistency(model) -> dict:
-    from flowlock.validate.consistency import run_consistency
-
-    strict = run_consistency(model, n_samples=3, steps=2, mode="strict")
-    return {"passed": strict["bitwise_equal"], "max_abs_dlogp": strict["max_abs_dlogp"]}
-
-
-SUITES = (("chain", _suite_chain), ("trace_strict", _suite_trace), ("rl_consistency_strict", _suite_consistency))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     if getattr(args, "layout", None):
         return _check_layout(args)
+    from flowlock.validate.demo import load_model
+    from flowlock.validate.report import show, write_json
+    from flowlock.validate.suites import run_suites, suites_table
+
     device = _device(args.device)
-    model, origin = _load_model(None, device)
-    print(f"flowlock check: {origin} on {device}")
-    results: dict[str, dict] = {}
-    for name, suite in SUITES:
-        try:
-            results[name] = suite(model)
-        except Exception as err:  # a suite that cannot run is a failed check, reported with its cause
-            results[name] = {"passed": False, "error": f"{type(err).__name__}: {err}"}
-        status = "PASS" if results[name]["passed"] else "FAIL"
-        detail = f"  ({results[name]['error']})" if "error" in results[name] else ""
-        print(f"  {status}  {name}{detail}", flush=True)
+    model, description = load_model(None, device)
+    results = run_suites(model)
+    show([suites_table(results, f"flowlock check: {description} on {device}")])
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_json(args.json, results)
     return 0 if all(r["passed"] for r in results.values()) else 1
 
 
@@ -453,26 +268,41 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowlock", description="exactly on-policy RL for flow-matching DiTs")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="chain replay and RL consistency, strict vs provider")
-    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    demo.add_argument("--model", default=None, help="a diffusers MiniMaxH3Transformer3DModel checkpoint directory")
-    demo.add_argument("--json", default=None, help="write the full report here")
-    demo.add_argument("--plot", default=None, help="write a PNG of the per-step log-prob agreement here")
-    demo.add_argument("--samples", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=3)
+    device = dict(choices=("auto", "cpu", "cuda"), default="auto",
+                  help="where to run: cuda (flowlock's Triton kernels), cpu (its PyTorch reference ops), or auto: "
+                       "cuda when a GPU is visible (default)")
+    json_out = dict(default=None, metavar="PATH", help="also write the full report as JSON to PATH")
+    demo = sub.add_parser("demo", help="one RL step, strict against stock diffusers: the conditioning chain, "
+                                       "rollout vs replay log-probs and velocities, and their time")
+    demo.add_argument("--device", **device)
+    demo.add_argument("--model", default=None, metavar="DIR",
+                      help="a diffusers MiniMaxH3Transformer3DModel checkpoint directory (default: a random-weight "
+                           "H3, see --width)")
+    demo.add_argument("--json", **json_out)
+    demo.add_argument("--plot", default=None, metavar="PATH",
+                      help="write a PNG of the per-step rollout-vs-replay differences to PATH (needs matplotlib)")
+    demo.add_argument("--samples", type=_positive_int, default=4,
+                      help="samples in the rollout batch, replayed in smaller micro-batches (default 4; with "
+                           "--rollout vllm-omni: requests)")
+    demo.add_argument("--steps", type=_positive_int, default=3, help="CPS sampling steps per sample (default 3)")
+    demo.add_argument("--rounds", type=_positive_int, default=5,
+                      help="timed rounds per path after one warm-up round; the report gives the median (default 5)")
     demo.add_argument("--width", choices=("tiny", "full"), default="tiny",
                       help="random-weight model without --model: the embedded tiny H3 or H3's full widths")
-    demo.add_argument("--layers", type=int, default=2, help="blocks of the full-width model")
-    demo.add_argument("--seq", type=int, default=None, help="packed rows per sample (default: 24)")
+    demo.add_argument("--layers", type=_positive_int, default=2, help="blocks of the full-width model (default 2)")
+    demo.add_argument("--seq", type=int, default=None,
+                      help="rows in each sample's sequence, text + video + audio (default: the tiny H3's 24)")
     demo.set_defaults(func=cmd_demo)
     rollout = dict(choices=("diffusers", "vllm-omni"), default="diffusers",
                    help="the rollout engine: diffusers (one engine) or vLLM-Omni (replayed in diffusers)")
     demo.add_argument("--rollout", **rollout)
-    for name, func, text in (("check", cmd_check, "run the validation suites; non-zero exit on failure"),
-                             ("trace", cmd_trace, "first divergence alone vs batched, strict and provider")):
+    for name, func, text in (("check", cmd_check, "run the validation suites (each says what it covers); "
+                                                  "exit 1 on any failure"),
+                             ("trace", cmd_trace, "the first module whose bits differ for a sample alone vs in a "
+                                                  "batch, strict and stock; exit 1 if strict differs")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-        p.add_argument("--json", default=None)
+        p.add_argument("--device", **device)
+        p.add_argument("--json", **json_out)
         p.set_defaults(func=func)
     from flowlock.validate.layout_spec import ONE_PROCESS, layout_help
 
@@ -491,9 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"benchmarks to run (default: all present of {', '.join(BENCHMARKS)} but "
                             f"{', '.join(NAMED_ONLY)}); flags after the names go to the scripts "
                             "(e.g. bench model --seq 925 --measures step)")
-    bench.add_argument("--out-dir", default=None)
-    bench.add_argument("--skip-gate", action="store_true")
-    bench.add_argument("--smoke", action="store_true")
+    bench.add_argument("--out-dir", default=None, metavar="DIR",
+                       help="write each benchmark's JSON and plot to DIR (default: benchmarks/results/)")
+    bench.add_argument("--skip-gate", action="store_true",
+                       help="do not run each script's CPU test gate first (for device runs of a commit whose gate "
+                            "already passed; the JSON records it)")
+    bench.add_argument("--smoke", action="store_true",
+                       help="tiny sizes, to check the scripts end to end on CPU; measures nothing")
     bench.set_defaults(func=cmd_bench)
     convert = sub.add_parser("convert", help="diffusers <-> vLLM-Omni native H3 checkpoint directory",
                              usage="flowlock convert SRC DST --to {native,diffusers} [options] | "

@@ -27,6 +27,6 @@ def test_chain_on_gpu_strict_is_pure_and_sinusoid_bitwise_diffusers(model):
 
 
 def test_strict_trace_on_gpu_finds_no_divergence(model):
-    from flowlock.cli import run_traces
+    from flowlock.validate.batch_trace import run_traces
 
     assert run_traces(model)["strict"]["divergence"] is None

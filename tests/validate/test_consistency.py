@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from flowlock.models.minimax_h3 import tiny_h3
-from flowlock.validate import consistency
 from flowlock.validate.consistency import run_consistency
 
 
@@ -73,27 +72,3 @@ def test_strict_mode_replays_bitwise_and_unpatches(model):
 def test_bad_arguments(model, kwargs):
     with pytest.raises(ValueError):
         run_consistency(model, **kwargs)
-
-
-class Ticking(torch.nn.Module):
-    """Wraps the H3 model and advances a fake clock per forward: the first forward (a compile) 100, others 1."""
-
-    def __init__(self, inner, now):
-        super().__init__()
-        self.inner, self.now, self.config = inner, now, inner.config
-
-    def forward(self, **kwargs):
-        self.now[0] += 100.0 if self.now[0] == 0 else 1.0
-        return self.inner(**kwargs)
-
-
-@pytest.mark.parametrize("steps, rollout, replay, timed", [(3, 2.0, 4.0, 2), (1, 100.0, 2.0, 1)])
-def test_wall_clock_leaves_out_the_first_transition_when_there_are_more(model, monkeypatch, steps, rollout,
-                                                                         replay, timed):
-    """Rollout: one forward per transition (batch 2); replay: two (micro-batch 1). Only a single
-    transition is timed with its first, compiling, forward."""
-    now = [0.0]
-    monkeypatch.setattr(consistency, "_synchronized_clock", lambda device: now[0])
-    report = run_consistency(Ticking(model, now), n_samples=2, steps=steps, rollout_batch=2, replay_micro_batch=1,
-                             mode="provider")
-    assert report["seconds"] == {"timed_transitions": timed, "rollout": rollout, "replay": replay}

@@ -37,13 +37,23 @@ def test_alone_vs_batched_finds_planted_module():
     assert div is not None and div["module"] == "1.1" and div["kind"] == "values"
     assert div["mismatches"] == 35 and div["numel"] == 35
     assert div["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    assert report["output_differs"]
+
+
+def test_a_divergence_erased_before_the_output_is_reported_as_such():
+    """The planted difference is multiplied by zero by the last module: found inside, absent at the output."""
+    x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0))
+    model = nn.Sequential(_Elementwise(0.5), _BatchDependent(), _Elementwise(0.0))
+    report = trace(model, lambda: model(x[1:2]), lambda: model(x), batch_a=1, batch_b=3, sample_a=0, sample_b=1)
+    assert report["divergence"]["module"] == "1"
+    assert not report["output_differs"]
 
 
 def test_alone_vs_batched_clean_model_has_no_divergence():
     x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0))
     model = _toy(planted=False)
     report = trace(model, lambda: model(x[2:3]), lambda: model(x), batch_a=1, batch_b=3, sample_a=0, sample_b=2)
-    assert report["divergence"] is None
+    assert report["divergence"] is None and not report["output_differs"]
     assert report["records"] == 6
 
 

@@ -11,12 +11,12 @@ replayed log-prob has the same bits as the rollout's; the run reports how far it
 from __future__ import annotations
 
 import random
-import time
 
 import torch
 
 import flowlock
-from flowlock.models.minimax_h3 import H3Layout, build_layout, tiny_inputs
+from flowlock.models.minimax_h3 import H3Layout, tiny_inputs
+from flowlock.models.minimax_h3.tiny import tiny_layout
 from flowlock.rl.minimax_h3 import h3_schedules
 from flowlock.rl.noise import batch_noise, initial_latents
 from flowlock.rl.trajectory import Trajectory, compare
@@ -27,25 +27,16 @@ REPLAY_ORDERS = ("same", "reversed", "shuffled")
 RUN_MODES = ("strict", "provider")
 
 
-def _default_layout():
-    # S = 24 rows (5 text, 2x2x3 video, 7 audio): small, and deliberately not a tile multiple.
-    return build_layout(num_text=5, latent_t=2, latent_h=2, latent_w=3, audio_rows=7)
-
-
-def _synchronized_clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
-def _step_all(model, layout_kwargs, text, latents_v, latents_a, timestep, sigmas, eta, noises=None, targets=None):
-    """One forward on a batch, then the video and audio CPS transitions."""
+def step_batch(model, layout_kwargs, text, latents_v, latents_a, timestep, sigmas, eta, noises=None, targets=None):
+    """One forward on a batch, then the video and audio CPS transitions: a rollout step when given
+    ``noises`` (video, audio), a replay step scoring ``targets`` (the stored next latents) otherwise.
+    Returns the velocities (fp32), the next latents and the joint verl log-prob per sample."""
     video_v, video_a = model(hidden_states=latents_v, audio_hidden_states=latents_a, encoder_hidden_states=text,
                              timestep=timestep, **layout_kwargs, return_dict=False)
     b = latents_v.shape[0]
@@ -63,7 +54,7 @@ def _stacked(trajectories: list[Trajectory], step: int, name: str, rows: list[in
     return torch.stack([trajectories[i].steps[step][name] for i in rows]).to(device)
 
 
-def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order, layout, seconds):
+def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order, layout):
     device = next(model.parameters()).device
     layout = layout.to(device)
     config = dict(model.config)
@@ -85,12 +76,7 @@ def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, 
         b.run = dict(a.run)
 
     stored = []
-    # The clocks restart after the first transition, which compiles every kernel it meets.
-    seconds["timed_transitions"] = max(1, sched.num_transitions - 1)
-    start_clock = _synchronized_clock(device)
     for k in range(sched.num_transitions):
-        if k == 1:
-            start_clock = _synchronized_clock(device)
         timestep = torch.stack([sched.video_timesteps[k], sched.audio_timesteps[k]]).to(device)
         sigmas = ((sched.video_sigmas[k], sched.video_sigmas[k + 1]),
                   (sched.audio_sigmas[k], sched.audio_sigmas[k + 1]))
@@ -100,8 +86,8 @@ def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, 
             noises = (batch_noise(seed, rows, k, "video", shape_v, batch=len(rows), device=device),
                       batch_noise(seed, rows, k, "audio", shape_a, batch=len(rows), device=device))
             with torch.no_grad():
-                vel_v, vel_a, nv, na, lp = _step_all(model, layout_kwargs, text[rows], xv[rows], xa[rows], timestep,
-                                                     sigmas, eta, noises=noises)
+                vel_v, vel_a, nv, na, lp = step_batch(model, layout_kwargs, text[rows], xv[rows], xa[rows], timestep,
+                                                      sigmas, eta, noises=noises)
             next_v[rows], next_a[rows] = nv, na
             for j, i in enumerate(rows):
                 for name, t in (("latent.video", xv[i]), ("latent.audio", xa[i]), ("velocity.video", vel_v[j]),
@@ -111,30 +97,25 @@ def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, 
         stored.append((timestep, sigmas))
         xv, xa = next_v, next_a
 
-    seconds["rollout"] = _synchronized_clock(device) - start_clock
     order = list(ids)
     if replay_order == "reversed":
         order.reverse()
     elif replay_order == "shuffled":
         random.Random(seed).shuffle(order)
-    start_clock = _synchronized_clock(device)
     for k, (timestep, sigmas) in enumerate(stored):
-        if k == 1:
-            start_clock = _synchronized_clock(device)
         for start in range(0, n_samples, replay_micro_batch):
             rows = order[start:start + replay_micro_batch]
             lat_v, lat_a, tgt_v, tgt_a = (_stacked(rollout, k, name, rows, device) for name in
                                           ("latent.video", "latent.audio", "next.video", "next.audio"))
             # Training runs with autograd recording; replay does too, so its forward is the trainer's.
             with torch.enable_grad():
-                vel_v, vel_a, nv, na, lp = _step_all(model, layout_kwargs, text[rows], lat_v, lat_a, timestep,
-                                                     sigmas, eta, targets=(tgt_v, tgt_a))
+                vel_v, vel_a, nv, na, lp = step_batch(model, layout_kwargs, text[rows], lat_v, lat_a, timestep,
+                                                      sigmas, eta, targets=(tgt_v, tgt_a))
             for j, i in enumerate(rows):
                 for name, t in (("latent.video", lat_v[j]), ("latent.audio", lat_a[j]),
                                 ("velocity.video", vel_v[j]), ("velocity.audio", vel_a[j]),
                                 ("next.video", nv[j]), ("next.audio", na[j]), ("log_prob", lp[j])):
                     replay[i].record(k, name, t)
-    seconds["replay"] = _synchronized_clock(device) - start_clock
     return sched, rollout, replay
 
 
@@ -176,11 +157,9 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
 
     Returns per-step ``max_abs_dlogp``, ``logp_mismatches`` (samples whose log-prob bits differ),
     ``velocity_mismatches`` / ``velocity_elements``, ``ratio_spread`` (``max |exp(Δ) - 1|``), and
-    per sample the first tensor where replay diverged from rollout (``None`` if none did), the
-    sequence length, and wall seconds of the rollout and the replay (device-synchronized) over
-    ``seconds["timed_transitions"]`` transitions: all but the first, whose first calls compile
-    kernels, unless there is only one. ``layout`` is the packed layout every sample shares
-    (default: 24 rows of the tiny model).
+    per sample the first tensor where replay diverged from rollout (``None`` if none did) and the
+    sequence length. ``layout`` is the packed layout every sample shares (default: 24 rows of the
+    tiny model). Timing is :func:`flowlock.validate.step_timing.time_rl_step`'s job.
     """
     n_samples = _check_positive_int("n_samples", n_samples)
     steps = _check_positive_int("steps", steps)
@@ -190,9 +169,8 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
         raise ValueError(f"replay_order must be one of {REPLAY_ORDERS}, got {replay_order!r}")
     if mode not in RUN_MODES:
         raise ValueError(f"mode must be one of {RUN_MODES}, got {mode!r}")
-    layout = layout or _default_layout()
-    seconds: dict[str, float] = {}
-    args = (model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order, layout, seconds)
+    layout = layout or tiny_layout()
+    args = (model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order, layout)
     if mode == "strict":
         handle = flowlock.patch(model, mode="strict")
         try:
@@ -218,5 +196,4 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
         "bitwise_equal": all(s["logp_mismatches"] == 0 and s["velocity_mismatches"] == 0 for s in per_step),
         "first_difference": first,
         "seq_len": layout.seq_len,
-        "seconds": seconds,
     }

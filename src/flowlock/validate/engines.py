@@ -29,6 +29,7 @@ from flowlock.rl.minimax_h3 import h3_schedules
 from flowlock.rl.noise import initial_latents, noise
 from flowlock.rl.transitions import cps_step, joint_log_prob
 from flowlock.testing import mismatch_count
+from flowlock.validate.report import Block, Table
 from flowlock.validate.trace import capture
 
 # vLLM-Omni's packer writes H3's row widths: 24 latent channels x (1, 2, 2) patches, 32 audio channels.
@@ -293,33 +294,37 @@ def _describe(trace: dict) -> str:
             f"{div['numel']} elements, max |diff| {div['max_abs_diff']:.3e}")
 
 
-def format_report(payload: dict) -> str:
-    """The cross-engine demo as text: per-step mismatches, strict and stock, then both traces."""
-    lines = [f"flowlock --rollout vllm-omni: {payload['model']} on {payload['device']}; {payload['adapter']}"]
+def report_blocks(payload: dict) -> list[Block]:
+    """The cross-engine demo's report: per-step mismatches, strict and stock, then both traces."""
+    blocks: list[Block] = [f"flowlock --rollout vllm-omni: {payload['model']} on {payload['device']}; "
+                           f"{payload['adapter']}"]
     if payload["consistency"] is not None:
-        lines += _consistency_lines(payload["consistency"]["strict"], payload["consistency"].get("provider"))
+        blocks += _consistency_blocks(payload["consistency"]["strict"], payload["consistency"].get("provider"))
     for mode, label in (("strict", "strict"), ("provider", "stock")):
         if mode in payload["trace"]:
-            lines.append(f"trace {label:6s}: {_describe(payload['trace'][mode])}")
+            blocks.append(f"trace {label:6s}: {_describe(payload['trace'][mode])}")
     if "stock" in payload:
-        lines.append(f"stock: {payload['stock']}")
-    lines.append(f"strict path exactly on-policy across engines: {'yes' if payload['ok'] else 'NO'}")
-    return "\n".join(lines)
+        blocks.append(f"stock: {payload['stock']}")
+    blocks.append(f"strict path exactly on-policy across engines: {'yes' if payload['ok'] else 'NO'}")
+    return blocks
 
 
-def _consistency_lines(strict: dict, stock: dict | None) -> list[str]:
-    head = (f"{'step':4s} | {'strict velocity':16s} {'logp':4s} {'max|dlogp|':10s} | "
-            f"{'stock velocity':16s} {'logp':4s} {'max|dlogp|':10s}")
+def _consistency_blocks(strict: dict, stock: dict | None) -> list[Block]:
     stock_forward = "not run" if stock is None else stock["requests_per_forward"]
-    lines = [f"rollout: {strict['n_requests']} requests x {strict['transitions']} CPS steps in vLLM-Omni, "
-             f"{strict['requests_per_forward']} per forward strict, {stock_forward} stock (vLLM-Omni "
-             "packs only where its attention isolates requests); replay: each request alone in diffusers, "
-             "reversed order", head, "-" * len(head)]
+    rows = []
     for k, s in enumerate(strict["per_step"]):
         p = None if stock is None else stock["per_step"][k]
-        cell = f"{s['velocity_mismatches']}/{s['velocity_elements']}"
-        other = ("-" if p is None else f"{str(p['velocity_mismatches']) + '/' + str(p['velocity_elements']):16s} "
-                                       f"{p['logp_mismatches']:4d} {p['max_abs_dlogp']:10.3e}")
-        lines.append(f"{s['step']:4d} | {cell:16s} {s['logp_mismatches']:4d} {s['max_abs_dlogp']:10.3e} | {other}")
-    lines.append("(velocity: elements differing rollout vs replay; logp: requests whose joint log-prob bits differ)")
-    return lines
+        cells = (f"{s['velocity_mismatches']} of {s['velocity_elements']}", str(s["logp_mismatches"]),
+                 f"{s['max_abs_dlogp']:.1e}")
+        other = ("-", "-", "-") if p is None else (f"{p['velocity_mismatches']} of {p['velocity_elements']}",
+                                                  str(p["logp_mismatches"]), f"{p['max_abs_dlogp']:.1e}")
+        rows.append((str(s["step"]), *cells, *other))
+    table = Table(
+        f"rollout: {strict['n_requests']} requests x {strict['transitions']} CPS steps in vLLM-Omni, "
+        f"{strict['requests_per_forward']} per forward strict, {stock_forward} stock (vLLM-Omni packs only where "
+        "its attention isolates requests); replay: each request alone in diffusers, reversed order",
+        ("step", "strict: velocity elements that differ", "strict: requests whose log-prob differs",
+         "strict: max |change in log-prob|", "stock: velocity elements that differ",
+         "stock: requests whose log-prob differs", "stock: max |change in log-prob|"),
+        tuple(rows), right=frozenset(range(7)))
+    return [table]

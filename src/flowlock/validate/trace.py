@@ -172,9 +172,15 @@ def first_divergence(records_a: list[Record], records_b: list[Record], *, batch_
 def trace(model: torch.nn.Module, run_a: Callable[[], object], run_b: Callable[[], object], *, batch_a: int,
           batch_b: int, sample_a: int = 0, sample_b: int = 0) -> dict:
     """Run both forwards under hooks and report the first divergence as a JSON-able dict:
-    ``{"records": n, "divergence": None | {...}}``."""
+    ``{"records": n, "divergence": None | {...}, "output_differs": bool}``, where ``output_differs``
+    says whether the sample's model output (the last record, the root's) differs too: a divergence
+    inside the model can be rounded away before it reaches the output."""
     records_a = capture(model, run_a)
     records_b = capture(model, run_b)
     div = first_divergence(records_a, records_b, batch_a=batch_a, batch_b=batch_b,
                            sample_a=sample_a, sample_b=sample_b)
-    return {"records": len(records_a), "divergence": None if div is None else div.as_dict()}
+    output_differs = div is not None and (
+        div.kind == "structure" or first_divergence(records_a[-1:], records_b[-1:], batch_a=batch_a, batch_b=batch_b,
+                                                    sample_a=sample_a, sample_b=sample_b) is not None)
+    return {"records": len(records_a), "divergence": None if div is None else div.as_dict(),
+            "output_differs": output_differs}
