@@ -14,7 +14,7 @@ Load it with ``-p flowlock_strict_plugin`` (this folder on ``PYTHONPATH``) when 
   many strict root forwards ran (a passing test that never reached flowlock is visible), plus the
   diffusers version and path the tests imported.
 
-A developer tool (scripts/diffusers_h3_suite.sh), not part of flowlock's CI.
+A developer tool (tools/diffusers_h3_suite.sh), not part of flowlock's CI.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12 "must show": the full-depth strict H3 on one GPU is bitwise repeatable and batch-invariant.
+"""The full-depth strict H3 on one GPU is bitwise repeatable and batch-invariant (README, "Full-depth model").
 
 The model of ``benchmarks/bench_model.py`` (50 blocks + 2 refiner blocks, H3's full widths, 33.1B
 random-weight parameters drawn on the GPU, BF16 with the FP32 modules, gradient checkpointing, every
@@ -17,7 +17,7 @@ text 256 rows, audio S // 16, the rest video):
   alone, its latent-input gradients, ``torch.equal``.
 
 JSON to ``--out`` with the commit (``FLOWLOCK_COMMIT``), GPU, torch and triton. GPU (one H200, about
-4 minutes): ``PYTHONPATH=/tmp/site:src FLOWLOCK_COMMIT=<sha> python3 scripts/h200_full_depth_checks.py
+4 minutes): ``PYTHONPATH=/tmp/site:src FLOWLOCK_COMMIT=<sha> python3 tools/h200_full_depth_checks.py
 --out $OUT/full_depth_checks.json``; ``--tiny --device cpu`` checks the logic on the tiny H3 and the
 CPU reference backend.
 """
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     pair = tiny_inputs(2, seed=args.seq, config=config, layout=layout, device=device)
     alone = {k: (v[:1] if k in LATENTS else v) for k, v in pair.items()}
     cots = bench_block.cotangents_for(model, alone)
-    report = {"script": "scripts/h200_full_depth_checks.py", "environment": harness.environment(device),
+    report = {"script": "tools/h200_full_depth_checks.py", "environment": harness.environment(device),
               "config": config, "parameters": sum(p.numel() for p in model.parameters()), "seq_len": args.seq,
               "gradient_checkpointing": True, "mode": "strict"}
     try:

@@ -1,4 +1,4 @@
-"""Issue 14 "must show": the parallel code paths at degree 1 give the plain strict bits, and what they cost.
+"""The parallel code paths at degree 1 give the plain strict bits, and what they cost (docs/layouts.md, "Degree 1").
 
 One GPU, a real process group of world size 1 (NCCL on CUDA, gloo on CPU; ``file://`` store, rank 0),
 the full-width H3 with 2 DiT blocks and 2 refiner blocks (BF16 with the FP32 modules, random weights
@@ -36,8 +36,8 @@ the others go on. JSON to ``--out`` with the commit (``FLOWLOCK_COMMIT``), GPU, 
 GPU (one H200, < 400 s; the H200 image lacks diffusers, carried as ``.whl/``, and vllm / vllm_omni,
 so the rollout variant records itself skipped there): ``python3 -m pip install -q --no-index --no-deps
 --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site FLOWLOCK_COMMIT=<sha> python3
-scripts/h200_degree1.py --out $OUT/degree1_h200.json``. CPU check of the logic: ``python
-scripts/h200_degree1.py --tiny --device cpu --out /tmp/degree1.json``. ``--budget-s`` (default 380)
+tools/h200_degree1.py --out $OUT/degree1_h200.json``. CPU check of the logic: ``python
+tools/h200_degree1.py --tiny --device cpu --out /tmp/degree1.json``. ``--budget-s`` (default 380)
 skips the rollout variant when the training variants have used the time up.
 """
 
@@ -438,7 +438,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False
-    report: dict = {"script": "scripts/h200_degree1.py", "tiny": args.tiny,
+    report: dict = {"script": "tools/h200_degree1.py", "tiny": args.tiny,
                     "environment": harness.environment(device), "method": (
                         "one process, world-size-1 process group; one model copy per variant, same weights; "
                         "first call per variant compared with torch.equal to plain strict (outputs, latent "

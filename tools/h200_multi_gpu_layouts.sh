@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issues 15 and 16 in one device call on an nvidia-h200-x2 / -x4 / -x8 machine: every layout's NCCL run,
+# The multi-GPU layout evidence (docs/layouts.md) in one device call on an nvidia-h200-x2 / -x4 / -x8 machine: every layout's NCCL run,
 # each rank against one GPU, full-width H3. Run from the repository root with .whl/ (diffusers, peft) and
-# .vllm_bundle/ (python scripts/vllm_omni_bundle.py --python-version 3.12) carried:
+# .vllm_bundle/ (python tools/vllm_omni_bundle.py --python-version 3.12) carried:
 #   carry: [".whl", ".vllm_bundle"]
-#   command: bash scripts/h200_multi_gpu_layouts.sh
+#   command: bash tools/h200_multi_gpu_layouts.sh
 # N (default: every GPU of the machine) is the degree of every run:
-#   ulysses_even / ulysses_odd  diffusers Ulysses N, forward + backward, S = 4096 and 4097 (scripts/ulysses_nccl.py)
-#   exact_dp                    FSDP2 DP N with the exact tree, FSDP2's own reduction and stock (scripts/exact_dp_nccl.py)
-#   vllm_omni_tp / vllm_omni_sp vLLM-Omni TP N and its Ulysses N, forward (scripts/vllm_omni_tp_nccl.py)
+#   ulysses_even / ulysses_odd  diffusers Ulysses N, forward + backward, S = 4096 and 4097 (tools/ulysses_nccl.py)
+#   exact_dp                    FSDP2 DP N with the exact tree, FSDP2's own reduction and stock (tools/exact_dp_nccl.py)
+#   vllm_omni_tp / vllm_omni_sp vLLM-Omni TP N and its Ulysses N, forward (tools/vllm_omni_tp_nccl.py)
 # Each writes $OUT/<run>_<N>.json and $OUT/<run>_<N>.log; BUDGET_S (default 560) bounds the whole call and
 # a run that would start with under 60 s left is not started. LAYERS (default 2) blocks in every model.
 set -u
@@ -39,8 +39,8 @@ run() {
     echo "=== ${name}_$N rc=$? $(date -u +%T)"
     tail -n 3 "$OUT/${name}_$N.log"
 }
-run ulysses_even scripts/ulysses_nccl.py --layers "$LAYERS" --seq 4096
-run ulysses_odd scripts/ulysses_nccl.py --layers "$LAYERS" --seq 4097
-run exact_dp scripts/exact_dp_nccl.py --layers "$LAYERS" --seq 4253
-run vllm_omni_tp scripts/vllm_omni_tp_nccl.py --layers "$LAYERS"
-run vllm_omni_sp scripts/vllm_omni_tp_nccl.py --sp --layers "$LAYERS"
+run ulysses_even tools/ulysses_nccl.py --layers "$LAYERS" --seq 4096
+run ulysses_odd tools/ulysses_nccl.py --layers "$LAYERS" --seq 4097
+run exact_dp tools/exact_dp_nccl.py --layers "$LAYERS" --seq 4253
+run vllm_omni_tp tools/vllm_omni_tp_nccl.py --layers "$LAYERS"
+run vllm_omni_sp tools/vllm_omni_tp_nccl.py --sp --layers "$LAYERS"

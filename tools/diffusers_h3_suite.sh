@@ -3,7 +3,7 @@
 # prints both outcome counts, how many stock passes also pass strict, and each difference with its
 # first error line. A developer tool, not CI (CI cannot fetch the diffusers repository).
 #
-#   scripts/diffusers_h3_suite.sh DIFFUSERS_CHECKOUT [extra pytest args]
+#   tools/diffusers_h3_suite.sh DIFFUSERS_CHECKOUT [extra pytest args]
 #
 # DIFFUSERS_CHECKOUT holds diffusers' tests/ (tests/models/testing_utils, tests/conftest.py,
 # tests/testing_utils.py) at a commit matching the installed wheel, e.g.

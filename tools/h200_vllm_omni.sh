@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Issue 13 on the H200: vLLM-Omni 0.30.0 (pure-Python bundle) + flowlock on CUDA, in one device call.
+# The rollout engine on the H200: vLLM-Omni 0.30.0 (pure-Python bundle) + flowlock on CUDA, in one device call.
 #
-# The device machine cannot receive the vllm wheel; `python scripts/vllm_omni_bundle.py` (run here
+# The device machine cannot receive the vllm wheel; `python tools/vllm_omni_bundle.py` (run here
 # first) writes .vllm_bundle/: vllm's and vllm_omni's .py files (vllm_py.zip) and cp312 manylinux
 # wheels of what they import that the image lacks. Device call, from the repository root:
 #   carry: [".vllm_bundle", ".whl"]
-#   command: bash scripts/h200_vllm_omni.sh
+#   command: bash tools/h200_vllm_omni.sh
 # Stages (each one's status in $OUT/stages.txt; a failed stage does not stop the others):
 #   env      GPU, python, glibc, the image's torch / triton / transformers
 #   install  the bundle's wheels and .whl/*.whl (diffusers, peft) into /tmp/site, vllm_py.zip extracted there
 #   import   MiniMaxH3DiTModel imports with vLLM's and vLLM-Omni's unspecified platforms pinned
 #            (tests/vllm_omni_env.py: vllm's compiled ops are absent, so NVML is told there is no GPU)
-#   engines  scripts/vllm_omni_engines_cuda.py: tiny H3, CUDA tensors, flowlock's Triton kernels; vLLM-Omni +
+#   engines  tools/vllm_omni_engines_cuda.py: tiny H3, CUDA tensors, flowlock's Triton kernels; vLLM-Omni +
 #            flowlock vs diffusers + flowlock (rollout / replay velocities and CPS log-probs, module trace), bf16
 #            and fp32 -> $OUT/engines_cuda.json
 #   bench    benchmarks/bench_vllm_omni.py: full-width H3 (2 blocks + refiner), vLLM-Omni + flowlock vs
@@ -21,7 +21,7 @@
 #   tests    tests/integrations/test_vllm_omni_engine_invariance.py on this machine's CPU (torch 2.11, the bundle)
 # Everything printed goes to $OUT/h200_vllm_omni.log. BUDGET_S (default 520) bounds the whole run.
 # For a dry run of this script on a CPU machine: BUNDLE=<a bundle built with --python-version of that
-# python> DEVICE=cpu BENCH_ARGS=--smoke PYTHON=<venv python> bash scripts/h200_vllm_omni.sh
+# python> DEVICE=cpu BENCH_ARGS=--smoke PYTHON=<venv python> bash tools/h200_vllm_omni.sh
 set -euo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} TRITON_INTERPRET=0
 OUT=${OUT:-/tmp/out}
@@ -109,7 +109,7 @@ export -f env_info install_bundle import_probe
 stage env 30 env_info
 stage install 90 install_bundle
 stage import 60 import_probe
-stage engines 150 "$PYTHON" scripts/vllm_omni_engines_cuda.py --device "$DEVICE" --out "$OUT/engines_cuda.json"
+stage engines 150 "$PYTHON" tools/vllm_omni_engines_cuda.py --device "$DEVICE" --out "$OUT/engines_cuda.json"
 # the CPU test gate of the benchmark (tests/integrations) passed at this commit on the CPU machine; the
 # tests stage below runs the engine-invariance file here too
 # shellcheck disable=SC2086

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (one H200, at most 10 minutes) of issue 12's full-depth model benchmark. Run from
+# One device call (one H200, at most 10 minutes) of the full-depth model benchmark (benchmarks/bench_model.py). Run from
 # the repository root on the H200 image (torch 2.11, triton 3.6) with the diffusers wheel carried in
 # .whl/, at a commit whose CPU gate (tests/models) passed: the jobs run with --skip-gate.
 #

@@ -1,6 +1,6 @@
 """Bytes each rank receives and holds per H3 DiT block under vLLM-Omni TP, by design (arithmetic, no run).
 
-``python scripts/tp_traffic.py [--tokens S]`` prints, for TP 2, 4 and 8 at H3 widths (hidden 5376,
+``python benchmarks/tp_traffic.py [--tokens S]`` prints, for TP 2, 4 and 8 at H3 widths (hidden 5376,
 attention 56 x 128 = 7168, FFN 14336, BF16 activations and weights), the two GEMMs whose K vLLM shards
 (``out_proj``, ``fc2``):
 

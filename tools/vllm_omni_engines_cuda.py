@@ -1,12 +1,12 @@
 """The cross-engine check on a GPU: vLLM-Omni + flowlock against diffusers + flowlock, tiny H3, CUDA tensors.
 
-``python scripts/vllm_omni_engines_cuda.py --out engines.json [--device cuda] [--dtype bfloat16 float32]``
+``python tools/vllm_omni_engines_cuda.py --out engines.json [--device cuda] [--dtype bfloat16 float32]``
 runs :func:`flowlock.validate.engines.engine_demo` (the rollout of 3 requests x 2 CPS steps packed in
 vLLM-Omni, replayed request by request in diffusers, velocities and log-probs compared bitwise; and
 the module-by-module trace), strict and stock side by side, once per ``--dtype`` (``bfloat16``: BF16
 with H3's FP32 modules; ``float32``: every parameter FP32). On CUDA flowlock runs its Triton kernels.
 
-vllm may be the pure-Python bundle (``scripts/vllm_omni_bundle.py``): the test suite's runtime
+vllm may be the pure-Python bundle (``tools/vllm_omni_bundle.py``): the test suite's runtime
 (``tests/vllm_omni_env.py``) then pins vLLM's and vLLM-Omni's unspecified platforms before vllm is
 imported and puts in its shims (SDPA attention on the caller's device, a one-rank gloo group), so the
 stock side is vLLM-Omni's torch-native paths. Exit 0 iff strict is bitwise equal across engines for

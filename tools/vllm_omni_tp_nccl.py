@@ -1,8 +1,8 @@
 """vLLM-Omni tensor or Ulysses parallel on NCCL GPUs: every rank's velocities against one GPU, full-width H3.
 
-    torchrun --nproc-per-node N scripts/vllm_omni_tp_nccl.py [--sp] --layers 2 --out vllm_omni_tp_nccl_N.json
+    torchrun --nproc-per-node N tools/vllm_omni_tp_nccl.py [--sp] --layers 2 --out vllm_omni_tp_nccl_N.json
 
-Issue 15 / 16's rollout evidence as one torchrun call. Every rank runs the engine's own distributed
+The rollout side of the multi-GPU layout evidence (docs/layouts.md) as one torchrun call. Every rank runs the engine's own distributed
 state: vLLM's at TP = N (``init_distributed_environment`` + ``initialize_model_parallel``), or with
 ``--sp`` vLLM-Omni's diffusion groups at Ulysses = N with its ``_sp_plan`` hooks; it builds vLLM-Omni's
 ``MiniMaxH3DiTModel`` from the same seeded diffusers H3 (``load_weights`` shards it at TP > 1), then, on
@@ -19,11 +19,11 @@ semantics; flowlock must have none), and the three forwards timed in the same ro
 ``benchmarks/harness.time_rounds``). Rank 0 gathers every rank's record and writes the JSON with the
 commit (``FLOWLOCK_COMMIT``), GPU, torch, triton and vllm versions.
 
-The H200 image has no vllm: carry the pure-Python bundle (``scripts/vllm_omni_bundle.py``), install it as
-``scripts/h200_vllm_omni.sh`` does, and the test suite's pins (``tests/vllm_omni_env.py``) make vLLM and
+The H200 image has no vllm: carry the pure-Python bundle (``tools/vllm_omni_bundle.py``), install it as
+``tools/h200_vllm_omni.sh`` does, and the test suite's pins (``tests/vllm_omni_env.py``) make vLLM and
 vLLM-Omni run on their unspecified platforms with vLLM-Omni's SDPA attention for the stock path.
 CPU form (gloo, tiny H3 with 8 heads, flowlock's reference backend): ``torchrun --nproc-per-node 2
-scripts/vllm_omni_tp_nccl.py --tiny --device cpu --out /tmp/tp.json`` (tested in
+tools/vllm_omni_tp_nccl.py --tiny --device cpu --out /tmp/tp.json`` (tested in
 ``tests/benchmarks/test_vllm_omni_tp_nccl_script.py``).
 """
 
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     if rank == 0:
         import vllm
 
-        payload = {"script": "scripts/vllm_omni_tp_nccl.py", "layout": "ulysses" if args.sp else "tp",
+        payload = {"script": "tools/vllm_omni_tp_nccl.py", "layout": "ulysses" if args.sp else "tp",
                    "degree": world, "tiny": args.tiny,
                    "backend": dist.get_backend(), "pure_python_vllm": PURE_PYTHON, "vllm": vllm.__version__,
                    "environment": harness.environment(device), "request": TINY_REQUEST if args.tiny else FULL_REQUEST,

@@ -1,6 +1,6 @@
-"""FSDP2 data parallel with exact parameter gradients against one GPU: issue 15's DP step in one call.
+"""FSDP2 data parallel with exact parameter gradients against one GPU: the DP step of docs/layouts.md's multi-GPU evidence.
 
-    torchrun --nproc-per-node 2 scripts/exact_dp_nccl.py --layers 2 --seq 4253 --micro-batches 2 --out dp2.json
+    torchrun --nproc-per-node 2 tools/exact_dp_nccl.py --layers 2 --seq 4253 --micro-batches 2 --out dp2.json
 
 A step is ``N x M`` micro-batches of one sample each, rank ``r`` of ``N`` running samples ``r, r + N, ...``
 (:mod:`flowlock.validate.layout_exact_dp`'s protocol, full-width H3 here). Every rank first computes
@@ -99,7 +99,7 @@ def main() -> None:
         report[variant] = entry
         del model
     if rank == 0:
-        payload = {"script": "scripts/exact_dp_nccl.py", "degree": world, "micro_batches_per_rank": args.micro_batches,
+        payload = {"script": "tools/exact_dp_nccl.py", "degree": world, "micro_batches_per_rank": args.micro_batches,
                    "layers": config["num_layers"], "seq": args.seq if layout is not None else None,
                    "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                    "commit": os.environ.get("FLOWLOCK_COMMIT"), "variants": report,

@@ -7,7 +7,7 @@ that image has torch 2.11 (those ``.so`` could not load there anyway). Importing
 "unspecified" ones (``tests/vllm_omni_env.py`` pins them), and flowlock's adapter replaces every
 kernel, so the ``.py`` files are enough.
 
-``python scripts/vllm_omni_bundle.py [--python-version 3.12] [--out .vllm_bundle]`` writes (gitignored):
+``python tools/vllm_omni_bundle.py [--python-version 3.12] [--out .vllm_bundle]`` writes (gitignored):
 
 * ``vllm_py.zip``: every ``.py`` (and ``py.typed``) of the installed ``vllm`` and ``vllm_omni``
   packages, plus their ``.dist-info`` metadata (``importlib.metadata.version("vllm")`` works; RECORD
@@ -22,7 +22,7 @@ Not carried: PyAV (``av``, ~35 MB): vllm treats it as optional; the one vLLM-Omn
 it at module level (``diffusion/utils/media_utils.py``, output muxing) gets a placeholder from
 ``tests/vllm_omni_env.pin_pure_python_platforms`` where ``av`` is missing.
 
-Install it (what ``scripts/h200_vllm_omni.sh`` does; the zip is extracted, not zip-imported, so
+Install it (what ``tools/h200_vllm_omni.sh`` does; the zip is extracted, not zip-imported, so
 ``__file__``-relative reads and ``.pyc`` caching behave as in a normal install)::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target SITE .vllm_bundle/wheels/*.whl

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call that gathers the GPU evidence for issues 2-4: the GPU-marked tests, the
+# One device call that gathers the GPU evidence behind README's op and demo figures: the GPU-marked tests, the
 # conditioning, block-stack, attention and GEMM benchmarks and the full-width RL demo. Run from the repository
 # root on the H200 image (torch 2.11, triton 3.6) with the diffusers wheel carried in .whl/;
 # results land in $OUT (JSON, the demo's PNG, and every step's log in logs.txt). Each step has its own time limit so one slow step cannot starve the rest.
@@ -18,7 +18,7 @@ step() {  # step NAME SECONDS COMMAND...
     echo "=== $name rc=$rc $(date -u +%T)"
     tail -n 20 "/tmp/$name.log"
 }
-# STEPS picks the steps (default: the four of issues 2-4); *_ARGS add flags to one step.
+# STEPS picks the steps (default: gpu_tests conditioning block demo); *_ARGS add flags to one step.
 want() { [[ " ${STEPS:-gpu_tests conditioning block demo} " == *" $1 "* ]]; }
 want gpu_tests && step gpu_tests "${GPU_TESTS_S:-170}" python3 -m pytest -m gpu -q -p no:cacheprovider tests
 want conditioning && step conditioning "${COND_S:-130}" python3 benchmarks/bench_conditioning.py --skip-gate \

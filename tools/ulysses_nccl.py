@@ -1,6 +1,6 @@
 """Ulysses N on NCCL GPUs: every rank's outputs and latent gradients against one GPU, full-width H3.
 
-    torchrun --nproc-per-node 2 scripts/ulysses_nccl.py --layers 2 --seq 4097 --out ulysses_nccl_2.json
+    torchrun --nproc-per-node 2 tools/ulysses_nccl.py --layers 2 --seq 4097 --out ulysses_nccl_2.json
 
 Each rank builds the same seeded full-width H3 twice (one plain, one under diffusers'
 ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``), both under ``flowlock.patch``, runs
