@@ -12,8 +12,8 @@
 # a run that would start with under 60 s left is not started. LAYERS (default 2) blocks in every model.
 set -u
 start=$SECONDS
-# NVLink multicast stays off in every process these runs start (KINDS.md: it can take the host's GPUs
-# out of service)
+# NVLink multicast stays off in every process these runs start: on the lent machines a program that
+# uses it can take the host's shared GPUs out of service
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 export FLOWLOCK_COMMIT=${FLOWLOCK_COMMIT:-unknown} PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
