@@ -1,4 +1,4 @@
-"""FSDP2 data parallel with exact parameter gradients against one GPU: the DP step of docs/layouts.md's multi-GPU evidence.
+"""FSDP2 data parallel with exact parameter gradients against one GPU (docs/layouts.md's multi-GPU evidence).
 
     torchrun --nproc-per-node 2 tools/exact_dp_nccl.py --layers 2 --seq 4253 --micro-batches 2 --out dp2.json
 

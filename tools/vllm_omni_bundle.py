@@ -13,9 +13,10 @@ kernel, so the ``.py`` files are enough.
   packages, plus their ``.dist-info`` metadata (``importlib.metadata.version("vllm")`` works; RECORD
   left out, it lists the files that are not here). No ``.so``, no kernel configs, headers or assets.
 * ``wheels/``: the wheels of the distributions vllm / vllm-omni import on the way to the H3 model
-  (and of its test helpers: packer, denoise branch) that the H200 image lacks (the image
-  has torch, triton, numpy, transformers, accelerate, peft and their common dependencies), downloaded for ``--python-version`` / manylinux
-  x86_64 (``--no-deps --only-binary=:all:``), versions as ``requirements/vllm-cpu.txt`` (the CPU suite's).
+  (and of its test helpers: packer, denoise branch) that the H200 image lacks (the image has torch,
+  triton, numpy, transformers, accelerate, peft and their common dependencies), downloaded for
+  ``--python-version`` / manylinux x86_64 (``--no-deps --only-binary=:all:``), versions as
+  ``requirements/vllm-cpu.txt`` (the CPU suite's).
 * ``MANIFEST.json``: what is in it, with sizes.
 
 Not carried: PyAV (``av``, ~35 MB): vllm treats it as optional; the one vLLM-Omni module that imports

@@ -2,11 +2,12 @@
 
     torchrun --nproc-per-node N tools/vllm_omni_tp_nccl.py [--sp] --layers 2 --out vllm_omni_tp_nccl_N.json
 
-The rollout side of the multi-GPU layout evidence (docs/layouts.md) as one torchrun call. Every rank runs the engine's own distributed
-state: vLLM's at TP = N (``init_distributed_environment`` + ``initialize_model_parallel``), or with
-``--sp`` vLLM-Omni's diffusion groups at Ulysses = N with its ``_sp_plan`` hooks; it builds vLLM-Omni's
-``MiniMaxH3DiTModel`` from the same seeded diffusers H3 (``load_weights`` shards it at TP > 1), then, on
-one packed request of S rows (vLLM-Omni's packing, padded to 64):
+The rollout side of the multi-GPU layout evidence (docs/layouts.md) as one torchrun call. Every rank runs
+the engine's own distributed state: vLLM's at TP = N (``init_distributed_environment`` +
+``initialize_model_parallel``), or with ``--sp`` vLLM-Omni's diffusion groups at Ulysses = N with its
+``_sp_plan`` hooks; it builds vLLM-Omni's ``MiniMaxH3DiTModel`` from the same seeded diffusers H3
+(``load_weights`` shards it at TP > 1), then, on one packed request of S rows (vLLM-Omni's packing,
+padded to 64):
 
 * ``one_gpu``: diffusers + ``flowlock.patch`` on this rank alone, the replayed request (the single-GPU
   contract: TP = 1's bits are the trainer's bits);
