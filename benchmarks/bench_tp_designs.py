@@ -15,7 +15,7 @@ rank's arithmetic under each design is timed here on the GPU it would run on (bf
   rounded once. TP = 1 must run the same 8 units and fold to give the same bits.
 
 ``b_over_strict_at_tp1`` is what design (b) costs TP = 1 (the issue asks for none). Bytes each rank
-receives come from ``scripts/tp_traffic.py`` (counted, not measured: one GPU has no wire). The design
+receives come from ``benchmarks/tp_traffic.py`` (counted, not measured: one GPU has no wire). The design
 (a) rows are also checked: the rank's rows equal the TP = 1 GEMM's rows bitwise.
 
 Run: ``PYTHONPATH=src python benchmarks/bench_tp_designs.py --out benchmarks/results/tp_designs.json``
@@ -24,17 +24,13 @@ Run: ``PYTHONPATH=src python benchmarks/bench_tp_designs.py --out benchmarks/res
 
 from __future__ import annotations
 
-import sys
-
 import harness
 import torch
 import torch.nn.functional as F
+import tp_traffic
 
 from flowlock.ops.linear import linear
 from flowlock.parallel.sample_tree import tree_sum
-
-sys.path.insert(0, str(harness.REPO / "scripts"))
-import tp_traffic  # noqa: E402
 
 UNITS = 8
 TPS = (1, 2, 4, 8)
@@ -99,7 +95,7 @@ def main(argv=None) -> int:
                 "strict_over_stock_at_tp1": r["a_ms"] / r["stock_ms"]} for (s, g), r in tp1.items()]
     payload = {"benchmark": "tp_designs", "smoke": args.smoke, "gate": gate, "environment": harness.environment(device),
                "units": UNITS, "method": "one GPU, one rank's arithmetic per design; CUDA events, same rounds, "
-               "first design rotating; medians; wire bytes counted (scripts/tp_traffic.py), not measured",
+               "first design rotating; medians; wire bytes counted (benchmarks/tp_traffic.py), not measured",
                "rows": rows, "tp1_cost": summary}
     print(f"wrote {harness.write_json(args.out, payload)}")
     for s in summary:

@@ -16,7 +16,7 @@ vLLM-Omni's own ``load_weights``. Requests are laid out by vLLM-Omni's packer
 
 Needs vllm 0.30.0 and vllm-omni 0.30.0 importable (``requirements/vllm-cpu.txt``; on a GPU the
 platform's attention backend must load). Where vllm has no compiled ops (the pure-Python bundle of
-``scripts/vllm_omni_bundle.py``, as on the H200), the test suite's runtime (``tests/vllm_omni_env.py``)
+``tools/vllm_omni_bundle.py``, as on the H200), the test suite's runtime (``tests/vllm_omni_env.py``)
 is used on the GPU too: vLLM and vLLM-Omni on their unspecified platforms, attention through torch
 SDPA. Stock then means vLLM-Omni's torch-native paths (RMSNorm, SiLU-and-mul, q/k norm + RoPE), cuBLAS
 linears, torch SDPA attention (K/V cut to the request's rows) and vLLM-Omni's own Triton

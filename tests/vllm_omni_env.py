@@ -17,7 +17,7 @@ two AdaLN widths the native defaults assume for H = 5376) and loads a diffusers 
 vLLM-Omni's own ``load_weights``.
 
 :func:`pin_pure_python_platforms` is for a GPU host whose vllm is only its Python files (the H200
-bundle, ``scripts/vllm_omni_bundle.py``): there vLLM's and vLLM-Omni's platform detection would find
+bundle, ``tools/vllm_omni_bundle.py``): there vLLM's and vLLM-Omni's platform detection would find
 the GPU through NVML and pick their CUDA platforms, whose module imports vllm's compiled ops. It
 makes both detections see no GPU, so both resolve to the platforms a CPU host gets; the shims above
 then apply unchanged (attention through torch SDPA on the caller's device). Where PyAV is not

@@ -1,4 +1,4 @@
-"""``scripts/exact_dp_nccl.py`` on CPU (tiny H3, gloo, 2 ranks through torchrun): the exact FSDP2 step's
+"""``tools/exact_dp_nccl.py`` on CPU (tiny H3, gloo, 2 ranks through torchrun): the exact FSDP2 step's
 52 parameter gradients equal the one-process tree, the report names every variant and its time."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flowlock.parallel.ports import free_local_port
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "exact_dp_nccl.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "exact_dp_nccl.py"
 
 
 

@@ -1,4 +1,4 @@
-"""``scripts/h200_degree1.py`` on CPU (gloo, tiny H3): every degree-1 variant gives plain strict's bits,
+"""``tools/h200_degree1.py`` on CPU (gloo, tiny H3): every degree-1 variant gives plain strict's bits,
 the Ulysses-1 variant engages the context-parallel config and, one rank holding every row, runs the
 plain forward (no collective at all, so degree 1 costs nothing by construction), the
 vLLM-Omni TP = 1 rollout equals diffusers strict and issues no collective, and the comparison
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "h200_degree1.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "h200_degree1.py"
 
 
 def _script():

@@ -1,4 +1,4 @@
-"""``scripts/h200_full_depth_checks.py`` on CPU (tiny H3, reference backend): its repeatability and
+"""``tools/h200_full_depth_checks.py`` on CPU (tiny H3, reference backend): its repeatability and
 batch-invariance checks run end to end, compare every parameter gradient and pass on the strict path."""
 
 import json
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "h200_full_depth_checks.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "h200_full_depth_checks.py"
 
 
 def test_tiny_run_is_repeatable_and_batch_invariant(tmp_path):

@@ -1,4 +1,4 @@
-"""``scripts/ulysses_nccl.py --tiny`` on CPU (tiny H3, gloo, Ulysses 2 through torchrun): every rank's
+"""``tools/ulysses_nccl.py --tiny`` on CPU (tiny H3, gloo, Ulysses 2 through torchrun): every rank's
 outputs and latent gradients equal one process at an even and an odd S; stock diffusers Ulysses differs at
 the even S (so the comparison can fail) and refuses the odd one, which the report records."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from flowlock.parallel.ports import free_local_port
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ulysses_nccl.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "ulysses_nccl.py"
 
 
 

@@ -1,4 +1,4 @@
-"""``scripts/vllm_omni_tp_nccl.py`` on CPU (tiny H3 with 8 heads, gloo, TP 2 and Ulysses 2 through torchrun, the real
+"""``tools/vllm_omni_tp_nccl.py`` on CPU (tiny H3 with 8 heads, gloo, TP 2 and Ulysses 2 through torchrun, the real
 vLLM-Omni classes in vLLM's own distributed state): every rank's flowlock velocities equal the one-process
 diffusers strict ones, the stock TP path's are shown to differ (so the comparison can fail), and every
 rank reports the three forwards' times."""
@@ -13,7 +13,7 @@ import pytest
 
 from flowlock.parallel.ports import free_local_port
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_omni_tp_nccl.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "vllm_omni_tp_nccl.py"
 
 
 

@@ -1,5 +1,5 @@
 """Regressions found by running diffusers' own H3 test file with every model strict-patched
-(scripts/diffusers_h3_suite.sh, docs/diffusers_suite.md), reproduced on the tiny H3."""
+(tools/diffusers_h3_suite.sh, docs/diffusers_suite.md), reproduced on the tiny H3."""
 
 import pytest
 import torch
