@@ -115,6 +115,9 @@ def check_model(model: nn.Module, device: torch.device) -> None:
     ``torch.compile`` traces (dynamo guards on the parameters' dtypes and recompiles after a cast)."""
     if torch.compiler.is_compiling():
         return
+    if device.type != "cpu" and device.index is None:
+        # torch.device("cuda") names the current device, which every tensor on it reports with its index
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
     guard = guard_of(model)
     if guard is None:
         # a deep copy of a patched model, patched by no handle: planned as it is at its first call
