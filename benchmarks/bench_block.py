@@ -105,7 +105,7 @@ def _extra(parser) -> None:
 
 
 def main(argv=None) -> int:
-    from flowlock.models.minimax_h3.layout import layout_for_length
+    from flowlock.models.minimax_h3.packing import packing_for_length
     from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, full_width_config, make_h3, tiny_inputs
 
     args = harness.parse_args(__doc__.splitlines()[0], argv, _extra)
@@ -119,8 +119,8 @@ def main(argv=None) -> int:
     rows = []
     try:
         for s in seqs:
-            layout = layout_for_length(s)
-            inputs = tiny_inputs(1, seed=s, config=config, layout=layout, device=device)
+            layout = packing_for_length(s)
+            inputs = tiny_inputs(1, seed=s, config=config, packing=layout, device=device)
             cots = cotangents_for(model, inputs)
 
             def run_fwd(mode, inputs=inputs):
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                 "breakdown_ms": {m: breakdown(model, inputs, cots, m, device) for m in ("strict", "provider")},
             }
             if s == min(seqs):
-                inputs2 = tiny_inputs(2, seed=s, config=config, layout=layout, device=device)
+                inputs2 = tiny_inputs(2, seed=s, config=config, packing=layout, device=device)
                 cots2 = cotangents_for(model, inputs2)
                 row["checks"] = {m: checks(model, inputs2, cots2, m) for m in ("strict", "provider")}
             rows.append(row)

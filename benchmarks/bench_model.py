@@ -90,15 +90,15 @@ KERNEL_GROUPS = (("attention", ("attention", "attn", "flash", "fmha", "sdpa", "c
 MODE = "strict"
 
 
-def model_layout(seq: int, text_rows: int = TEXT_ROWS):
+def model_packing(seq: int, text_rows: int = TEXT_ROWS):
     """``text_rows`` text rows, ``seq // 16`` audio rows, the rest video on ``t`` square frames
     (the widest side up to 64 that divides the video rows)."""
-    from flowlock.models.minimax_h3.layout import build_layout
+    from flowlock.models.minimax_h3.packing import build_packing
 
     audio = seq // 16
     video = seq - text_rows - audio
     side = max(s for s in range(1, 65) if video % (s * s) == 0)
-    return build_layout(text_rows, video // (side * side), side, side, audio)
+    return build_packing(text_rows, video // (side * side), side, side, audio)
 
 
 def build_model(config: dict, device: torch.device, seed: int = 0):
@@ -220,8 +220,8 @@ class ModelBench:
         from flowlock.models.minimax_h3.tiny import tiny_inputs
 
         model, args, device = self.model, self.args, self.device
-        layout = model_layout(seq, self.text_rows)
-        inputs = tiny_inputs(1, seed=seq, config=self.config, layout=layout, device=device)
+        layout = model_packing(seq, self.text_rows)
+        inputs = tiny_inputs(1, seed=seq, config=self.config, packing=layout, device=device)
         self.paths.use("stock_eager")
         cots = bench_block.cotangents_for(model, inputs)
         calls = {"forward": lambda: _forward(model, inputs),

@@ -23,7 +23,7 @@ import time
 import bench_block
 import harness
 import torch
-from bench_model import REFINER_LAYERS, TEXT_ROWS, build_model, model_layout
+from bench_model import REFINER_LAYERS, TEXT_ROWS, build_model, model_packing
 
 import flowlock
 from flowlock.finite import check_finite_samples
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         seq, text_rows = args.seq, TEXT_ROWS
     model = build_model(config, device)
     handle = flowlock.patch(model, mode="strict")
-    inputs = tiny_inputs(args.batch, seed=seq, config=config, layout=model_layout(seq, text_rows), device=device)
+    inputs = tiny_inputs(args.batch, seed=seq, config=config, packing=model_packing(seq, text_rows), device=device)
     latents = [(n, inputs[n]) for n in LATENTS]
     cots = bench_block.cotangents_for(model, inputs)
     calls = {"forward": lambda: bench_block._outputs(model, inputs, "strict"),
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     try:
         for m in measures:
             with torch.no_grad() if m == "forward" else torch.enable_grad():
-                timed = harness.time_pair(lambda _: calls[m](), off(calls[m]), device=device, setup_a=reset,
+                call = calls[m]
+                timed = harness.time_pair(lambda _, call=call: call(), off(call), device=device, setup_a=reset,
                                           setup_b=reset, iters=args.iters, warmup=args.warmup)
             payload["rows"][m] = {"on": timed["a"], "off": timed["b"], "ratio_on_over_off": timed["ratio_a_over_b"],
                                   "check_share_of_off": payload["check"]["median_ms"] / timed["b"]["median_ms"]}
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
             harness.write_json(args.out, payload)
     finally:
         handle.remove()
-    print(f"check alone {payload['check']['median_ms']:.3f} ms, model check {payload['model_check']['median_ms']:.3f} ms")
+    check_ms, model_ms = payload["check"]["median_ms"], payload["model_check"]["median_ms"]
+    print(f"check alone {check_ms:.3f} ms, model check {model_ms:.3f} ms")
     print(f"wrote {harness.write_json(args.out, payload)}")
     return 0
 

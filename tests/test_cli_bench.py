@@ -127,10 +127,10 @@ def test_plots_are_written(tmp_path):
 
 
 def test_block_layout_fractions_and_kernel_groups():
-    from flowlock.models.minimax_h3.layout import layout_for_length
+    from flowlock.models.minimax_h3.packing import packing_for_length
 
     for s in (40, 64, 4096, 16384):
-        layout = layout_for_length(s)
+        layout = packing_for_length(s)
         assert layout.seq_len == s
         text, audio = layout.text_indices.numel(), layout.audio_indices.numel()
         assert abs(text - 0.05 * s) <= 1 and 0.15 * s - 1 <= audio <= 0.15 * s + max(64, 0.02 * s)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import flowlock
-from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, layout_for_length, make_h3, tiny_inputs
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, make_h3, packing_for_length, tiny_inputs
 from flowlock.parallel import MicroBatchGradients, exact_data_parallel
 from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import mismatch_count
@@ -59,9 +59,9 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     config = TINY_H3_CONFIG if args.tiny else full_width_config(num_layers=args.layers, num_refiner_layers=1)
-    layout = None if args.tiny else layout_for_length(args.seq)
+    layout = None if args.tiny else packing_for_length(args.seq)
     samples = world * args.micro_batches
-    inputs = tiny_inputs(samples, seed=1, config=config, layout=layout, device=device)
+    inputs = tiny_inputs(samples, seed=1, config=config, packing=layout, device=device)
 
     def build():
         model = make_h3(config, device=device, draw_on_device=cuda)

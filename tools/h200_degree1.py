@@ -99,12 +99,12 @@ def build(args, device: torch.device):
 
 
 def layout(seq: int, text_rows: int):
-    from flowlock.models.minimax_h3.layout import build_layout
+    from flowlock.models.minimax_h3.packing import build_packing
 
     audio = seq // 16
     video = seq - text_rows - audio
     side = max(s for s in range(1, 65) if video % (s * s) == 0)
-    return build_layout(text_rows, video // (side * side), side, side, audio)
+    return build_packing(text_rows, video // (side * side), side, side, audio)
 
 
 def ulysses_degree1(model, device: torch.device) -> dict:
@@ -190,7 +190,7 @@ def train_variants(args, device, base, config, report: dict) -> dict:
     lay = layout(seq, text)
     from flowlock.models.minimax_h3.tiny import tiny_inputs
 
-    inputs = tiny_inputs(1, seed=1, config=config, layout=lay, device=device)
+    inputs = tiny_inputs(1, seed=1, config=config, packing=lay, device=device)
     gen = torch.Generator().manual_seed(7)
     shapes = [(1, lay.video_indices.numel(), config["in_channels"] * 4), (1, lay.audio_indices.numel(),
                                                                          config["audio_in_channels"])]

@@ -136,8 +136,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     model = bench_model.build_model(config, device)
     handle = flowlock.patch(model, mode="strict")
-    layout = bench_model.model_layout(args.seq, text_rows)
-    pair = tiny_inputs(2, seed=args.seq, config=config, layout=layout, device=device)
+    layout = bench_model.model_packing(args.seq, text_rows)
+    pair = tiny_inputs(2, seed=args.seq, config=config, packing=layout, device=device)
     alone = {k: (v[:1] if k in LATENTS else v) for k, v in pair.items()}
     cots = bench_block.cotangents_for(model, alone)
     report = {"script": "tools/h200_full_depth_checks.py", "environment": harness.environment(device),

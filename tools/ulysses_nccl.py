@@ -28,7 +28,7 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig
 
 import flowlock
-from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, layout_for_length, make_h3, tiny_inputs
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, full_width_config, make_h3, packing_for_length, tiny_inputs
 from flowlock.parallel.teardown import end_process_groups
 from flowlock.testing import mismatch_count
 
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
     ref = make_h3(config, device=device, draw_on_device=not args.tiny)
     model = make_h3(config, device=device, draw_on_device=not args.tiny)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-    inputs = tiny_inputs(1, config=config, layout=layout_for_length(args.seq), device=device)
+    inputs = tiny_inputs(1, config=config, packing=packing_for_length(args.seq), device=device)
     def timed(net) -> float:
         return harness.median_ms(lambda: forward_backward(net, inputs), device=device, repeats=args.repeats,
                                  before=dist.barrier)

@@ -83,13 +83,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   f"{', '.join(ignored)}", file=sys.stderr)
             return 2
         return _across_engines(args)
-    from flowlock.models.minimax_h3.layout import layout_for_length
+    from flowlock.models.minimax_h3.packing import packing_for_length
     from flowlock.validate.demo import load_model, run_demo
     from flowlock.validate.demo_report import demo_blocks
     from flowlock.validate.report import show, write_json
 
     try:
-        layout = None if args.seq is None else layout_for_length(args.seq)
+        layout = None if args.seq is None else packing_for_length(args.seq)
     except ValueError as err:
         print(f"flowlock demo: --seq {args.seq}: {err}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ TINY_RUN = ["--smoke", "--skip-gate", "--device", "cpu", "--seq", "24", "--layer
 
 def test_layout_rows():
     for s in bench_model.FULL_SEQ:
-        layout = bench_model.model_layout(s)
+        layout = bench_model.model_packing(s)
         assert layout.seq_len == s
         assert layout.text_indices.numel() == 256 and layout.audio_indices.numel() == s // 16
 
@@ -120,7 +120,7 @@ def test_a_graphed_variant_that_cannot_be_captured_is_recorded(tmp_path):
 
 
 def test_row_ratios_take_the_fastest_path_of_each_side():
-    layout = bench_model.model_layout(925)
+    layout = bench_model.model_packing(925)
     medians = {"strict_eager": 4.0, "strict_compiled": 3.0, "strict_graphed": 2.0, "stock_eager": 5.0,
                "stock_compiled": 2.5, "stock_compiled_graphed": 1.6}
     row = bench_model.make_row(925, "step", layout, {v: {"median_s": t} for v, t in medians.items()})

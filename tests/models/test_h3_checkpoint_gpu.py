@@ -9,7 +9,7 @@ import torch
 
 import flowlock
 import flowlock.ops.adaln.triton as adaln_triton
-from flowlock.models.minimax_h3 import build_layout, tiny_inputs
+from flowlock.models.minimax_h3 import build_packing, tiny_inputs
 from flowlock.models.minimax_h3.tiny import full_width_config, make_h3
 from flowlock.testing import assert_bitwise_equal
 
@@ -30,7 +30,7 @@ def _step(model, inputs, cotangents):
 def test_checkpointed_step_is_the_plain_step(monkeypatch):
     config = full_width_config(num_layers=2, num_refiner_layers=1)
     model = make_h3(config, device="cuda", draw_on_device=True).train()
-    inputs = tiny_inputs(1, seed=0, config=config, layout=build_layout(64, 3, 16, 16, 93),
+    inputs = tiny_inputs(1, seed=0, config=config, packing=build_packing(64, 3, 16, 16, 93),
                          timestep=(0.3, 0.55), device="cuda")
     with torch.no_grad():
         shapes = [o.shape for o in model(**inputs, return_dict=False)]

@@ -9,7 +9,7 @@ import torch
 
 import flowlock
 from flowlock.cuda_graphs import GraphInvalidated
-from flowlock.models.minimax_h3 import build_layout, tiny_inputs
+from flowlock.models.minimax_h3 import build_packing, tiny_inputs
 from flowlock.models.minimax_h3.graphed import capture_h3
 from flowlock.models.minimax_h3.tiny import TINY_H3_CONFIG, full_width_config, make_h3
 from flowlock.testing import assert_bitwise_equal
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
 CASES = {"tiny": (TINY_H3_CONFIG, None),
-         "full_width": (full_width_config(num_layers=2, num_refiner_layers=1), build_layout(64, 3, 16, 16, 93))}
+         "full_width": (full_width_config(num_layers=2, num_refiner_layers=1), build_packing(64, 3, 16, 16, 93))}
 
 
 def _model(case: str):
@@ -30,7 +30,7 @@ def _model(case: str):
 
 def _inputs(case: str, seed: int, timestep: tuple[float, float]) -> dict:
     config, layout = CASES[case]
-    inputs = tiny_inputs(1, seed=seed, config=config, layout=layout, timestep=timestep, device="cuda")
+    inputs = tiny_inputs(1, seed=seed, config=config, packing=layout, timestep=timestep, device="cuda")
     for name in LATENTS:
         inputs[name] = inputs[name].requires_grad_()
     return inputs

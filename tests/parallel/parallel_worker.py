@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 import flowlock
 import flowlock.models.minimax_h3.context_parallel as h3_cp
 import flowlock.models.minimax_h3.strict as h3_strict
-from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, tiny_h3, tiny_inputs
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_packing, tiny_h3, tiny_inputs
 from flowlock.ops import final_adaln_out, gate_residual, linear, linear_weight_grad, qk_norm_rope, rms_norm_modulate
 from flowlock.parallel import CollectiveError
 from flowlock.parallel.teardown import end_process_groups
@@ -85,7 +85,7 @@ def planted_row_count_gemm(ref, model, rank: int) -> None:
         out = out + real(x[..., half:].contiguous(), weight[:, half:].contiguous())
         return out if bias is None else out + bias
 
-    inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
+    inputs = tiny_inputs(BATCH, seed=1, packing=PACKINGS[1])
     h3_strict.linear = planted
     try:
         with torch.no_grad():
@@ -105,7 +105,7 @@ def planted_naive_all_reduce(model, sharded: set, rank: int) -> None:
         for g in grads:
             dist.all_reduce(local(g), group=group)
 
-    inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
+    inputs = tiny_inputs(BATCH, seed=1, packing=PACKINGS[1])
     _, grads = forward_backward(model, inputs)
     h3_cp.fold_sum_ = naive
     try:
@@ -141,10 +141,10 @@ def refusals_two_ranks(rank: int) -> None:
         assert "enable_parallelism ran after flowlock.patch" in str(err), err
     mismatch = cp_model(2)
     # Same S = 24 on both ranks, different packings: only the layout fingerprint tells them apart.
-    packing = build_layout(5, 2, 2, 3, 7) if rank == 0 else build_layout(4, 2, 2, 3, 8)
+    packing = build_packing(5, 2, 2, 3, 7) if rank == 0 else build_packing(4, 2, 2, 3, 8)
     with flowlock.patch(mismatch):
         try:
-            mismatch(**tiny_inputs(BATCH, seed=1, layout=packing))
+            mismatch(**tiny_inputs(BATCH, seed=1, packing=packing))
             raise AssertionError("ranks with different layouts were not refused")
         except ValueError as err:
             assert "disagree on the layout" in str(err), err
@@ -155,7 +155,7 @@ def checkpointed_blocks(ref, rank: int) -> None:
     """diffusers' gradient checkpointing recomputes each block, its all-to-alls included, in backward."""
     model = cp_model(2)
     model.enable_gradient_checkpointing()
-    inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
+    inputs = tiny_inputs(BATCH, seed=1, packing=PACKINGS[1])
     expected, _ = forward_backward(ref, inputs)
     with flowlock.patch(model):
         got, _ = forward_backward(model, inputs)
@@ -193,7 +193,7 @@ def check_ulysses_exact_lora(rank: int) -> None:
     with flowlock.patch(ref), flowlock.patch(model):
         for packing in PACKINGS[1:]:
             what = f"Ulysses {n} exact with LoRA, S={packing.seq_len}, rank {rank}"
-            inputs = tiny_inputs(BATCH, seed=1, layout=packing)
+            inputs = tiny_inputs(BATCH, seed=1, packing=packing)
             expected, ref_grads = forward_backward(ref, inputs)
             with flowlock.mode("strict") as frame:
                 got, grads = forward_backward(model, inputs)
@@ -204,7 +204,7 @@ def check_ulysses_exact_lora(rank: int) -> None:
             assert_bitwise_equal([grads[k] for k in names], [ref_grads[k] for k in names], what + " LoRA gradients")
             print(f"{what}: all {len(names)} LoRA factor gradients equal one process", flush=True)
         h3_cp.exact_parameter_gradients(model, False)
-        inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
+        inputs = tiny_inputs(BATCH, seed=1, packing=PACKINGS[1])
         _, ref_grads = forward_backward(ref, inputs)
         _, grads = forward_backward(model, inputs)
         h3_cp.reduce_gradients(model)

@@ -12,9 +12,9 @@ from flowlock.checkpoint.convert import ConversionReport, convert_directory
 from flowlock.checkpoint.errors import CheckpointError
 from flowlock.checkpoint.manifest import verify_directory
 from flowlock.checkpoint.minimax_h3.geometry import H3Geometry
-from flowlock.checkpoint.minimax_h3.layout import QKV_LAYOUTS, fuse_qkv, rope_inv_freq, split_qkv, swap_halves
 from flowlock.checkpoint.minimax_h3.mapper import convert_state_dict, diffusers_to_native, native_to_diffusers
 from flowlock.checkpoint.minimax_h3.names import Entry, name_table
+from flowlock.checkpoint.minimax_h3.qkv_layout import QKV_LAYOUTS, fuse_qkv, rope_inv_freq, split_qkv, swap_halves
 from flowlock.checkpoint.partial import Sweep, sweep_partials
 
 __all__ = [

@@ -204,13 +204,13 @@ def chain_replay(model, *, batch: int = 3, position: int = 1, repeats: int = 3, 
     when every flowlock stage and gradient is repeatable and invariant. ``backend`` forces the
     flowlock ops' backend (``"triton"`` needs a GPU or ``TRITON_INTERPRET=1``).
     """
-    from flowlock.models.minimax_h3.tiny import tiny_layout
+    from flowlock.models.minimax_h3.tiny import tiny_packing
 
     if batch < 2 or not 0 <= position < batch:
         raise ValueError(f"need batch >= 2 and 0 <= position < batch, got batch={batch} position={position}")
     if repeats < 2:
         raise ValueError(f"repeats must be >= 2, got {repeats}")
-    layout = layout or tiny_layout()
+    layout = layout or tiny_packing()
     inputs = _chain_inputs(model, batch, position, seed, layout, timestep)
     forced = flowlock.use_backend(backend) if backend else nullcontext()
     with flowlock.mode("strict") as handle, forced:

@@ -15,8 +15,8 @@ import random
 import torch
 
 import flowlock
-from flowlock.models.minimax_h3 import H3Layout, tiny_inputs
-from flowlock.models.minimax_h3.tiny import tiny_layout
+from flowlock.models.minimax_h3 import H3Packing, tiny_inputs
+from flowlock.models.minimax_h3.tiny import tiny_packing
 from flowlock.rl.minimax_h3 import h3_schedules
 from flowlock.rl.noise import batch_noise, initial_latents
 from flowlock.rl.trajectory import Trajectory, compare
@@ -58,7 +58,7 @@ def _run(model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, 
     device = next(model.parameters()).device
     layout = layout.to(device)
     config = dict(model.config)
-    inputs = tiny_inputs(n_samples, seed=seed, config=config, layout=layout, device=device)
+    inputs = tiny_inputs(n_samples, seed=seed, config=config, packing=layout, device=device)
     layout_kwargs = layout.model_kwargs()
     text = inputs["encoder_hidden_states"]
     shape_v, shape_a = tuple(inputs["hidden_states"].shape[1:]), tuple(inputs["audio_hidden_states"].shape[1:])
@@ -145,7 +145,7 @@ def _report(sched, rollout, replay) -> list[dict]:
 
 def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0.8, seed: int = 0,
                     rollout_batch: int | None = None, replay_micro_batch: int = 1, replay_order: str = "reversed",
-                    layout: H3Layout | None = None, mode: str) -> dict:
+                    layout: H3Packing | None = None, mode: str) -> dict:
     """Rollout then replay ``n_samples`` samples through ``steps`` CPS transitions; JSON-able report.
 
     ``model``: a diffusers ``MiniMaxH3Transformer3DModel`` (e.g. ``flowlock.models.minimax_h3.tiny_h3()``).
@@ -169,7 +169,7 @@ def run_consistency(model, *, n_samples: int = 4, steps: int = 3, eta: float = 0
         raise ValueError(f"replay_order must be one of {REPLAY_ORDERS}, got {replay_order!r}")
     if mode not in RUN_MODES:
         raise ValueError(f"mode must be one of {RUN_MODES}, got {mode!r}")
-    layout = layout or tiny_layout()
+    layout = layout or tiny_packing()
     args = (model, n_samples, steps, eta, seed, rollout_batch, replay_micro_batch, replay_order, layout)
     if mode == "strict":
         handle = flowlock.patch(model, mode="strict")

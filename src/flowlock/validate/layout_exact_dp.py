@@ -104,7 +104,7 @@ def check_equal(got: dict, expected: dict, what: str) -> None:
 def check_exact_data_parallel(rank: int) -> None:
     """The scenarios of this module's docstring for the job's world size (2 or 4)."""
     n = dist.get_world_size()
-    inputs = tiny_inputs(n * MICRO_BATCHES_PER_RANK, seed=1, layout=PACKINGS[1])
+    inputs = tiny_inputs(n * MICRO_BATCHES_PER_RANK, seed=1, packing=PACKINGS[1])
     counts = (n * MICRO_BATCHES_PER_RANK,) if n == 2 else (4, 8)
     expected = one_process_trees(inputs, counts)
     model = model_for(1)

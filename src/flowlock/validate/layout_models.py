@@ -5,21 +5,21 @@ from __future__ import annotations
 import torch
 from diffusers import ContextParallelConfig
 
-from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_layout, layout_for_length, make_h3, tiny_h3, tiny_inputs
+from flowlock.models.minimax_h3 import TINY_H3_CONFIG, build_packing, make_h3, packing_for_length, tiny_h3, tiny_inputs
 
 LATENTS = ("hidden_states", "audio_hidden_states", "encoder_hidden_states")
 BATCH = 2
 FOUR_HEADS = dict(TINY_H3_CONFIG, num_attention_heads=4)
 # The packed rows of the suites' samples: S = 24 (a multiple of 2 and 4), 25 (of neither), 3 (fewer
 # rows than 4 ranks: a zero-row shard).
-PACKINGS = (build_layout(5, 2, 2, 3, 7), build_layout(5, 2, 2, 3, 8), build_layout(1, 1, 1, 1, 1))
+PACKINGS = (build_packing(5, 2, 2, 3, 7), build_packing(5, 2, 2, 3, 8), build_packing(1, 1, 1, 1, 1))
 
 
 def traced_batch(seq_len: int) -> dict:
     """The batch ``trace --layout`` runs: ``BATCH`` samples of one packing of ``seq_len`` rows
-    (:data:`PACKINGS`' for their lengths, ``layout_for_length``'s for others)."""
+    (:data:`PACKINGS`' for their lengths, ``packing_for_length``'s for others)."""
     known = {packing.seq_len: packing for packing in PACKINGS}
-    return tiny_inputs(BATCH, seed=1, layout=known.get(seq_len) or layout_for_length(seq_len))
+    return tiny_inputs(BATCH, seed=1, packing=known.get(seq_len) or packing_for_length(seq_len))
 
 
 def model_for(degree: int):

@@ -2,7 +2,7 @@
 
 A *parallel layout* is how ranks split the work: a data-parallel degree ``dp`` times a Ulysses
 sequence-parallel degree ``ulysses``, optionally with exact data-parallel gradients. (Not the packed
-rows of one sample, :class:`flowlock.models.minimax_h3.H3Layout`, nor a checkpoint's q/k/v
+rows of one sample, :class:`flowlock.models.minimax_h3.H3Packing`, nor a checkpoint's q/k/v
 arrangement.) The checks' rank programs, the trace's jobs and the command line's help all read
 :data:`PARALLEL_LAYOUTS`; a new layout is a row here plus, for a check, its scenario in
 :data:`flowlock.validate.layout_worker.SCENARIOS`.

@@ -124,7 +124,7 @@ def check_ulysses(rank: int, extra=None) -> None:
     with flowlock.patch(ref), flowlock.patch(model):
         for packing in PACKINGS:
             what = f"Ulysses {n}, S={packing.seq_len}, rank {rank}"
-            inputs = tiny_inputs(BATCH, seed=1, layout=packing)
+            inputs = tiny_inputs(BATCH, seed=1, packing=packing)
             grads, ref_grads = check_layout_equals_one_process(ref, model, inputs, slice(None), sharded, what)
             whole = sorted(set(grads) - sharded)
             assert whole and len(sharded) > len(whole)
@@ -153,7 +153,7 @@ def check_ulysses_exact(rank: int) -> None:
     with flowlock.patch(ref), flowlock.patch(model), flowlock.patch(ckpt_ref), flowlock.patch(ckpt):
         for one, layered, packing, how in cases:
             what = f"Ulysses {n} exact, S={packing.seq_len}{how}, rank {rank}"
-            inputs = tiny_inputs(BATCH, seed=1, layout=packing)
+            inputs = tiny_inputs(BATCH, seed=1, packing=packing)
             expected, ref_grads = forward_backward(one, inputs)
             with flowlock.mode("strict") as frame:
                 got, _ = forward_backward(layered, inputs)
@@ -167,7 +167,7 @@ def check_ulysses_exact(rank: int) -> None:
                                  what + " parameter gradients")
             print(f"{what}: all {len(names)} parameter gradients equal one process", flush=True)
         h3_cp.exact_parameter_gradients(model, False)
-        inputs = tiny_inputs(BATCH, seed=1, layout=PACKINGS[1])
+        inputs = tiny_inputs(BATCH, seed=1, packing=PACKINGS[1])
         _, ref_grads = forward_backward(ref, inputs)
         forward_backward(model, inputs)
         h3_cp.reduce_gradients(model)
@@ -215,7 +215,7 @@ def check_fsdp_ulysses(rank: int):
     with flowlock.patch(ref), flowlock.patch(model):
         for packing in PACKINGS[:2]:
             what = f"FSDP2 dp 2 x Ulysses 2, S={packing.seq_len}, rank {rank}"
-            check_layout_equals_one_process(ref, model, tiny_inputs(BATCH, seed=1, layout=packing),
+            check_layout_equals_one_process(ref, model, tiny_inputs(BATCH, seed=1, packing=packing),
                                             slice(dp, dp + 1), sharded, what)
     return mesh
 

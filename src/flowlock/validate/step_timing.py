@@ -17,10 +17,10 @@ import time
 import torch
 
 import flowlock
-from flowlock.models.minimax_h3 import H3Layout, tiny_inputs
-from flowlock.models.minimax_h3.tiny import tiny_layout
-from flowlock.rl.noise import batch_noise
+from flowlock.models.minimax_h3 import H3Packing, tiny_inputs
+from flowlock.models.minimax_h3.tiny import tiny_packing
 from flowlock.rl.minimax_h3 import h3_schedules
+from flowlock.rl.noise import batch_noise
 from flowlock.validate.consistency import step_batch
 
 MODES = ("strict", "provider")
@@ -61,7 +61,7 @@ def _timed(model, mode: str, step) -> float:
             handle.remove()
 
 
-def time_rl_step(model, *, n_samples: int = 4, replay_micro_batch: int = 1, layout: H3Layout | None = None,
+def time_rl_step(model, *, n_samples: int = 4, replay_micro_batch: int = 1, layout: H3Packing | None = None,
                  rounds: int = 5, warmup: int = 1, eta: float = 0.8, seed: int = 0) -> dict:
     """Median wall seconds of one RL step (module docstring) for strict and stock diffusers.
 
@@ -75,8 +75,8 @@ def time_rl_step(model, *, n_samples: int = 4, replay_micro_batch: int = 1, layo
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     device = next(model.parameters()).device
-    layout = (layout or tiny_layout()).to(device)
-    given = tiny_inputs(n_samples, seed=seed, config=dict(model.config), layout=layout, device=device)
+    layout = (layout or tiny_packing()).to(device)
+    given = tiny_inputs(n_samples, seed=seed, config=dict(model.config), packing=layout, device=device)
     sched = h3_schedules(2, convention="evaluations")
     inputs = {"layout": layout.model_kwargs(), "text": given["encoder_hidden_states"],
               "video": given["hidden_states"], "audio": given["audio_hidden_states"],

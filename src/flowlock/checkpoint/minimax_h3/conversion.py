@@ -17,8 +17,8 @@ import torch
 from flowlock.checkpoint.directory import Header, SafetensorsDirectory
 from flowlock.checkpoint.errors import CheckpointError
 from flowlock.checkpoint.minimax_h3.geometry import H3Geometry, diffusers_config, native_config, recorded_qkv_layout
-from flowlock.checkpoint.minimax_h3.layout import check_qkv_layout
 from flowlock.checkpoint.minimax_h3.plan import Plan, Target, convert_entry, plan_conversion, source_kind
+from flowlock.checkpoint.minimax_h3.qkv_layout import check_qkv_layout
 
 # What ``flowlock convert --to native`` writes without --qkv-layout: the layout of the official native
 # shards, the one vLLM-Omni's load_weights de-interleaves under native names.

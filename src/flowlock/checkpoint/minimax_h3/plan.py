@@ -17,8 +17,8 @@ import torch
 from flowlock.checkpoint.directory import Header
 from flowlock.checkpoint.errors import CheckpointError
 from flowlock.checkpoint.minimax_h3.geometry import H3Geometry
-from flowlock.checkpoint.minimax_h3.layout import check_qkv_layout, fuse_qkv, rope_inv_freq, split_qkv, swap_halves
 from flowlock.checkpoint.minimax_h3.names import Entry, name_table
+from flowlock.checkpoint.minimax_h3.qkv_layout import check_qkv_layout, fuse_qkv, rope_inv_freq, split_qkv, swap_halves
 
 Target = Literal["native", "diffusers"]
 _LISTED = 12  # names shown per finding; the count is always given
@@ -128,7 +128,7 @@ def convert_entry(plan: Plan, entry: Entry, load: Callable[[str], torch.Tensor])
 
     Renames return the loaded tensor itself (no copy); fc1 and q/k/v return new tensors. Going to
     diffusers, ``rope.inv_freq`` produces nothing: diffusers recomputes it, so it must equal
-    :func:`~flowlock.checkpoint.minimax_h3.layout.rope_inv_freq` bit for bit or the round trip would change it.
+    :func:`~flowlock.checkpoint.minimax_h3.qkv_layout.rope_inv_freq` bit for bit or the round trip would change it.
     """
     head_dim = plan.geometry.attention_head_dim
     if entry.kind == "rope":

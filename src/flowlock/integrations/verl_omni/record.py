@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flowlock.models.minimax_h3.layout import AUDIO_TAG, VIDEO_TAG
+from flowlock.models.minimax_h3.packing import AUDIO_TAG, VIDEO_TAG
 from flowlock.ops._validate import INDEX_DTYPES, check_tensor
 from flowlock.rl.minimax_h3 import H3Schedules
 from flowlock.rl.transitions import TransitionResult, cps_step, joint_log_prob

@@ -3,7 +3,7 @@
 RoPE casts positions to float32 and multiplies them by ``inv_freq`` (``rope_cos_sin``): float32
 holds every integer up to 2**24 exactly and no longer all above it (two positions would share one
 angle). The model makes no negative positions: text rows sit at 0, video and audio rows count up
-from 0 along each axis (:func:`flowlock.models.minimax_h3.layout.build_layout`, as diffusers lays out
+from 0 along each axis (:func:`flowlock.models.minimax_h3.packing.build_packing`, as diffusers lays out
 H3's packed sequence), so a negative one is a caller's bug.
 """
 

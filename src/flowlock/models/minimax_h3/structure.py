@@ -27,13 +27,14 @@ def validate_structure(*, hidden_states: torch.Tensor, audio_hidden_states: torc
                        timestep_indices: torch.Tensor, token_tags: torch.Tensor, position_ids: torch.Tensor,
                        video_indices: torch.Tensor, audio_indices: torch.Tensor,
                        text_indices: torch.Tensor) -> int:
-    """Check one packed layout and its inputs; return the sequence length S.
+    """Check one packing and its inputs; return the sequence length S.
 
     Raises ValueError / TypeError naming the argument for: a ``position_ids`` that is not (S, 3);
     per-row tensors not of length S; a timestep that is not float32 (TypeError: diffusers would upcast
     it, flowlock refuses, see ``timestep_sinusoid``), outside [0, 1] or not finite; ``timestep_indices``
-    outside [0, T); tags outside {0, 1, 2}; positions outside [0, 2**24] or not finite; row indices out of [0, S), repeated or shared between
-    modalities; latents whose batch sizes differ or whose row counts do not match their indices.
+    outside [0, T); tags outside {0, 1, 2}; positions outside [0, 2**24] or not finite; row indices out
+    of [0, S), repeated or shared between modalities; latents whose batch sizes differ or whose row
+    counts do not match their indices.
     Under ``torch.compile`` the value checks raise ``RuntimeError`` with the same messages instead.
     """
     eager = not torch.compiler.is_compiling()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flowlock.models.minimax_h3.layout import H3Layout, build_layout
+from flowlock.models.minimax_h3.packing import H3Packing, build_packing
 
 TINY_H3_CONFIG = dict(
     num_attention_heads=2,
@@ -76,24 +76,24 @@ def tiny_h3(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: torch.de
     return make_h3(TINY_H3_CONFIG, seed, dtype, device)
 
 
-def tiny_layout() -> H3Layout:
+def tiny_packing() -> H3Packing:
     """5 text rows, a 2x2x3 video grid, 7 audio rows: S = 24, deliberately not a tile multiple."""
-    return build_layout(num_text=5, latent_t=2, latent_h=2, latent_w=3, audio_rows=7)
+    return build_packing(num_text=5, latent_t=2, latent_h=2, latent_w=3, audio_rows=7)
 
 
-def tiny_inputs(batch: int, seed: int = 0, config: dict = TINY_H3_CONFIG, layout: H3Layout | None = None,
+def tiny_inputs(batch: int, seed: int = 0, config: dict = TINY_H3_CONFIG, packing: H3Packing | None = None,
                 timestep: tuple[float, float] = (0.3, 0.55), device: torch.device | str = "cpu") -> dict:
-    """Keyword arguments for one forward of ``batch`` samples sharing one layout (FP32 latents)."""
-    layout = layout or tiny_layout()
+    """Keyword arguments for one forward of ``batch`` samples sharing one packing (FP32 latents)."""
+    packing = packing or tiny_packing()
     gen = torch.Generator().manual_seed(seed)
     c = config
     video_dim = c["in_channels"] * c["patch_size"][0] * c["patch_size"][1] * c["patch_size"][2]
-    nv, na, nt = (layout.video_indices.numel(), layout.audio_indices.numel(), layout.text_indices.numel())
+    nv, na, nt = (packing.video_indices.numel(), packing.audio_indices.numel(), packing.text_indices.numel())
     kwargs = dict(
         hidden_states=torch.randn(batch, nv, video_dim, generator=gen),
         audio_hidden_states=torch.randn(batch, na, c["audio_in_channels"], generator=gen),
         encoder_hidden_states=torch.randn(batch, nt, c["text_dim"], generator=gen).to(torch.bfloat16),
         timestep=torch.tensor(timestep, dtype=torch.float32),
-        **layout.model_kwargs(),
+        **packing.model_kwargs(),
     )
     return {k: v.to(device) for k, v in kwargs.items()}

@@ -1,4 +1,4 @@
-"""The packed-sequence layout of one MiniMax-H3 request.
+"""The packing of one MiniMax-H3 request: which rows of the packed sequence hold which modality.
 
 A request is one attention document of ``S`` rows: text rows, then video rows, then audio rows.
 Every row carries a modality tag (0 video, 1 text, 2 audio), the index of its timestep in the
@@ -17,8 +17,8 @@ VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class H3Layout:
-    """Index tensors of one packed layout (all int64, on one device)."""
+class H3Packing:
+    """Index tensors of one packing (all int64, on one device)."""
 
     timestep_indices: torch.Tensor  # (S,)
     token_tags: torch.Tensor  # (S,)
@@ -31,15 +31,15 @@ class H3Layout:
     def seq_len(self) -> int:
         return int(self.token_tags.shape[0])
 
-    def to(self, device: torch.device | str) -> H3Layout:
-        return H3Layout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+    def to(self, device: torch.device | str) -> H3Packing:
+        return H3Packing(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """The structural keyword arguments of ``MiniMaxH3Transformer3DModel.forward``."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
-def build_layout(num_text: int, latent_t: int, latent_h: int, latent_w: int, audio_rows: int) -> H3Layout:
+def build_packing(num_text: int, latent_t: int, latent_h: int, latent_w: int, audio_rows: int) -> H3Packing:
     """Text rows, then a ``latent_t x latent_h x latent_w`` video grid, then ``audio_rows`` audio rows."""
     if min(num_text, latent_t, latent_h, latent_w, audio_rows) < 1:
         raise ValueError("every modality needs at least one row")
@@ -56,7 +56,7 @@ def build_layout(num_text: int, latent_t: int, latent_h: int, latent_w: int, aud
                              torch.zeros(audio_rows, dtype=torch.long)], dim=-1)
     positions = torch.cat([text_pos, grid.long(), audio_pos]).long()
     ar = torch.arange(s)
-    return H3Layout(
+    return H3Packing(
         timestep_indices=ts_index,
         token_tags=tags,
         position_ids=positions,
@@ -66,8 +66,8 @@ def build_layout(num_text: int, latent_t: int, latent_h: int, latent_w: int, aud
     )
 
 
-def layout_for_length(seq: int) -> H3Layout:
-    """A layout of exactly ``seq`` rows: text ~5%, audio ~15% (absorbing the rounding), video the
+def packing_for_length(seq: int) -> H3Packing:
+    """A packing of exactly ``seq`` rows: text ~5%, audio ~15% (absorbing the rounding), video the
     rest on a ``(t, h, w)`` grid of square frames."""
     text, audio = max(1, round(0.05 * seq)), max(1, round(0.15 * seq))
     video = seq - text - audio
@@ -75,5 +75,5 @@ def layout_for_length(seq: int) -> H3Layout:
         if video >= 4 * hw:
             side = math.isqrt(hw)
             t = video // hw
-            return build_layout(text, t, side, side, seq - text - t * hw)
-    raise ValueError(f"a sequence of {seq} rows is too short for a three-modality layout")
+            return build_packing(text, t, side, side, seq - text - t * hw)
+    raise ValueError(f"a sequence of {seq} rows is too short for a three-modality packing")
