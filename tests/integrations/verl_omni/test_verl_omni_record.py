@@ -7,7 +7,8 @@ from engine_inputs import ENGINE_CONFIG
 from verl_rollout import rollout_record, stack
 
 import flowlock
-from flowlock.integrations.verl_omni import RequestNoise, plugin, replay_log_prob, replay_step, row_widths
+from flowlock.integrations.verl_omni import RequestNoise, replay_log_prob, replay_step, row_widths
+from flowlock.integrations.vllm_omni import plugin
 from flowlock.models.minimax_h3 import make_h3
 from flowlock.rl import h3_schedules
 

@@ -5,11 +5,10 @@
   :func:`replay_log_prob` is the actor's strict replay of one transition.
 * :mod:`~flowlock.integrations.verl_omni.noise`: a rollout request's keyed SDE noise and the record
   fields that let the actor regenerate it.
-* :mod:`~flowlock.integrations.verl_omni.plugin`: the ``vllm.general_plugins`` entry point that
-  installs flowlock on vLLM-Omni's native H3 in every worker when ``FLOWLOCK_VLLM_OMNI=strict``.
 
 Importing this package imports neither verl-omni, vLLM, vLLM-Omni nor tensordict. See
-docs/verl_omni.md for what is still to come (the registry classes verl-omni imports through
+docs/verl_omni.md for the rollout side (the ``vllm.general_plugins`` entry point
+:mod:`flowlock.integrations.vllm_omni.plugin`) and what is still to come (the registry classes verl-omni imports through
 ``external_lib``).
 """
 

@@ -14,8 +14,7 @@ from vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer import MiniMax
 from vllm_omni_env import build_native
 
 import flowlock
-from flowlock.integrations.verl_omni import plugin
-from flowlock.integrations.vllm_omni import install
+from flowlock.integrations.vllm_omni import install, plugin
 from flowlock.models.minimax_h3 import make_h3
 from flowlock.testing import assert_bitwise_equal
 
@@ -110,7 +109,7 @@ def test_vllms_own_plugin_loader_runs_the_entry_point(tmp_path):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flowlock-entry-point\nVersion: 0\n")
     (dist / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nflowlock = flowlock.integrations.verl_omni.plugin:register\n")
+        "[vllm.general_plugins]\nflowlock = flowlock.integrations.vllm_omni.plugin:register\n")
     tests = Path(__file__).parents[2]
     env = {**os.environ, plugin.SWITCH_ENV: "strict", "VLLM_PLUGINS": "flowlock",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(tests), os.environ.get("PYTHONPATH", "")])}
@@ -120,7 +119,7 @@ def test_vllms_own_plugin_loader_runs_the_entry_point(tmp_path):
 
 
 def test_importing_the_package_and_the_plugin_imports_no_engine():
-    code = ("import sys, flowlock.integrations.verl_omni, flowlock.integrations.verl_omni.plugin as p; "
+    code = ("import sys, flowlock.integrations.verl_omni, flowlock.integrations.vllm_omni.plugin as p; "
             "p.register(); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('vllm', 'vllm_omni', 'verl', 'verl_omni', 'tensordict')); assert not bad, bad")
