@@ -26,9 +26,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("conditioning", "block", "linear", "attention", "tp_designs", "launch_host", "memory_bound", "model")
-# Run only when named: the full-depth model needs a whole H200 and several device calls.
-NAMED_ONLY = ("model",)
+BENCHMARKS = ("conditioning", "block", "linear", "attention", "tp_designs", "launch_host", "memory_bound", "model",
+              "nonfinite")
+# Run only when named: the full-depth model needs a whole H200 (and, for `model`, several device calls).
+NAMED_ONLY = ("model", "nonfinite")
 
 
 def _device(name: str):
