@@ -21,7 +21,6 @@ exit status.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +116,7 @@ def _trace_layout(args: argparse.Namespace) -> int:
     """``trace --layout``: :func:`flowlock.validate.layout_trace.trace_layouts` on gloo subprocesses."""
     from flowlock.validate.layout_spec import parse_parallel_layout
     from flowlock.validate.layout_trace import LayoutJobFailed, describe, trace_layouts
+    from flowlock.validate.report import write_json
 
     modes = ("strict", "provider") if args.mode == "both" else (args.mode,)
     try:
@@ -128,14 +128,14 @@ def _trace_layout(args: argparse.Namespace) -> int:
     except LayoutJobFailed as err:
         print(err)
         if args.json:
-            Path(args.json).write_text(json.dumps({"ok": False, "failed_jobs": err.jobs}, indent=2) + "\n")
+            write_json(args.json, {"ok": False, "failed_jobs": err.jobs})
         return 1
     except (ValueError, RuntimeError) as err:
         print(f"flowlock trace: {err}", file=sys.stderr)
         return 2
     print(describe(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0 if report["ok"] else 1
 
 
@@ -179,6 +179,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_layout(args: argparse.Namespace) -> int:
     from flowlock.validate.layout import check_layout, describe
+    from flowlock.validate.report import write_json
 
     try:
         report = check_layout(args.layout)
@@ -187,7 +188,7 @@ def _check_layout(args: argparse.Namespace) -> int:
         return 2
     print(describe(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0 if report["passed"] else 1
 
 
