@@ -1,7 +1,7 @@
 """The strict H3 path refuses, before any flowlock op runs, what it cannot run: a cast after
 flowlock.patch (the tensor, its dtype and the planned one named), a model patch() cannot run (all
 float16: time_embedder must be float32), a weight on another device, NaN / Inf in a sample's latents
-(the tensor and the sample named, with one host read), positions outside [0, 2**24]."""
+(the tensor and the sample named, with one host read), positions outside [-2**24, 2**24] or not finite."""
 
 import copy
 
@@ -165,18 +165,20 @@ def test_graphed_replays_check_the_latents_too():
         validate_inputs(inputs)
 
 
-@pytest.mark.parametrize("row, value", [(0, -1), (5, 10 ** 9), (6, MAX_POSITION + 1)])
+@pytest.mark.parametrize("row, value", [(0, -(MAX_POSITION + 1)), (5, 10 ** 9), (6, MAX_POSITION + 1)])
 def test_positions_out_of_range_are_refused_before_any_op(row, value):
     model, inputs = tiny_h3(), tiny_inputs(1)
     flowlock.patch(model)
     inputs["position_ids"] = inputs["position_ids"].clone()
     inputs["position_ids"][row, 1] = value
-    _refused(model, inputs, ValueError, rf"position_ids must lie in \[0, {MAX_POSITION}\]: RoPE .*; found {value}$")
+    _refused(model, inputs, ValueError,
+             rf"position_ids must be finite and lie in \[-{MAX_POSITION}, {MAX_POSITION}\]: RoPE .*; found {value}$")
 
 
-def test_the_position_bound_is_inclusive_and_covers_float_positions():
-    check_positions(torch.tensor([[0, 0, MAX_POSITION]]), eager=True)
-    check_positions(torch.tensor([[0.0, 0.5, float(MAX_POSITION)]]), eager=True)
-    for bad in (float("nan"), -0.5, float("inf")):
-        with pytest.raises(ValueError, match="position_ids must lie in"):
-            check_positions(torch.tensor([[0.0, bad, 1.0]]), eager=True)
+def test_the_position_bound_is_inclusive_and_covers_negative_and_float_positions():
+    # vLLM-Omni's keyframe (FL2VA) packing places condition rows at negative, fractional positions
+    check_positions(torch.tensor([[0, -MAX_POSITION, MAX_POSITION]]), eager=True)
+    check_positions(torch.tensor([[0.0, -3.5959, 6.6667]], dtype=torch.float64), eager=True)
+    for bad in (float("nan"), float("-inf"), float("inf"), MAX_POSITION + 0.5):
+        with pytest.raises(ValueError, match="position_ids must be finite and lie in"):
+            check_positions(torch.tensor([[0.0, bad, 1.0]], dtype=torch.float64), eager=True)

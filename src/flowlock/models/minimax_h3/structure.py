@@ -32,7 +32,7 @@ def validate_structure(*, hidden_states: torch.Tensor, audio_hidden_states: torc
     Raises ValueError / TypeError naming the argument for: a ``position_ids`` that is not (S, 3);
     per-row tensors not of length S; a timestep that is not float32 (TypeError: diffusers would upcast
     it, flowlock refuses, see ``timestep_sinusoid``), outside [0, 1] or not finite; ``timestep_indices``
-    outside [0, T); tags outside {0, 1, 2}; positions outside [0, 2**24] or not finite; row indices out
+    outside [0, T); tags outside {0, 1, 2}; positions outside [-2**24, 2**24] or not finite; row indices out
     of [0, S), repeated or shared between modalities; latents whose batch sizes differ or whose row
     counts do not match their indices.
     Under ``torch.compile`` the value checks raise ``RuntimeError`` with the same messages instead.
