@@ -110,7 +110,7 @@ def test_vllms_own_plugin_loader_runs_the_entry_point(tmp_path):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flowlock-entry-point\nVersion: 0\n")
     (dist / "entry_points.txt").write_text(
         "[vllm.general_plugins]\nflowlock = flowlock.integrations.vllm_omni.plugin:register\n")
-    tests = Path(__file__).parents[2]
+    tests = Path(__file__).parents[1]
     env = {**os.environ, plugin.SWITCH_ENV: "strict", "VLLM_PLUGINS": "flowlock",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(tests), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", _THROUGH_VLLM], env=env, capture_output=True, text=True, timeout=300)

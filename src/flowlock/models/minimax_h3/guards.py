@@ -25,7 +25,8 @@
   the dtypes are part of the policy: in RL the rollout and the trainer must compute with the same
   ones, so changing them is an explicit act (a new patch), never something a forward adopts
   silently. Not casts: storage that diffusers' layerwise casting upcasts to the planned dtype, peft
-  adapters added after patching (their dtypes are the LoRA path's to check), FSDP2 shards (same dtype).
+  adapters added after patching (their dtypes are the LoRA path's to check), FSDP2 shards (planned in
+  the dtype its MixedPrecisionPolicy unshards them to).
   Devices are not planned (moving a patched model is supported); every planned tensor must be on the
   inputs' device unless a hook on its module or above it moves it there at the call (group offloading,
   accelerate's offload hooks), else a ValueError names it.
@@ -48,24 +49,41 @@ _TRUNK = ("context_embedder.", "token_refiner.", "transformer_blocks.", "norm_ou
 _HEADS = ("proj_out.", "audio_proj_out.")
 
 
-def _named_tensors(module: nn.Module, prefix: str = "", hooked: bool = False):
-    """``(qualified name, module, tensor, hooked)`` for every parameter and buffer the strict path
+def _named_tensors(module: nn.Module, prefix: str = "", hooked: bool = False, fsdp_dtype: torch.dtype | None = None):
+    """``(qualified name, module, tensor, hooked, dtype)`` for every parameter and buffer the strict path
     reads: names as if peft's ``base_layer`` were not there, adapters left out; ``hooked`` when a hook
-    on the module or above it may move its weights before they are used."""
+    on the module or above it may move its weights before they are used; ``dtype`` the one the strict
+    path computes with (:func:`_compute_dtype`)."""
     hooked = hooked or bool(hook_names(module))
-    for registered in (module._parameters, module._buffers):
+    fsdp_dtype = _fsdp_param_dtype(module, fsdp_dtype)
+    for registered, parameters in ((module._parameters, True), (module._buffers, False)):
         for key, t in registered.items():
             if t is not None:
-                yield prefix + key, module, t, hooked
+                dtype = fsdp_dtype if parameters and fsdp_dtype is not None and t.is_floating_point() else None
+                yield prefix + key, module, t, hooked, dtype or compute_dtype(module, t)
     lora = is_peft_lora(module)
     for name, child in module._modules.items():
         if child is None or (lora and name != "base_layer"):
             continue
-        yield from _named_tensors(child, prefix if lora else f"{prefix}{name}.", hooked)
+        yield from _named_tensors(child, prefix if lora else f"{prefix}{name}.", hooked, fsdp_dtype)
+
+
+def _fsdp_param_dtype(module: nn.Module, inherited: torch.dtype | None) -> torch.dtype | None:
+    """The dtype FSDP2 unshards ``module``'s parameters to: its ``MixedPrecisionPolicy.param_dtype``
+    when ``module`` is an FSDP2 unit (None: their own dtype), else its unit's, ``inherited``. fp32
+    master parameters sharded with ``param_dtype=bf16`` are bf16 when the strict path reads them, and
+    fp32 DTensors between calls: both are the planned bf16."""
+    if not torch.distributed.is_available():
+        return inherited
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return inherited
+    return module._get_fsdp_state()._mp_policy.param_dtype
 
 
 def _planned(model: nn.Module) -> dict[str, torch.dtype]:
-    return {name: compute_dtype(module, t) for name, module, t, _ in _named_tensors(model)}
+    return {name: dtype for name, _, _, _, dtype in _named_tensors(model)}
 
 
 def _need(name: str, planned: dict[str, torch.dtype]) -> tuple[torch.dtype | None, str]:
@@ -127,10 +145,10 @@ def check_model(model: nn.Module, device: torch.device) -> None:
     if guard.unchanged(model, device):
         return
     cast, moved = [], []
-    for name, module, t, hooked in _named_tensors(model):
+    for name, _, t, hooked, dtype in _named_tensors(model):
         planned = guard.planned.get(name)
-        if planned is not None and compute_dtype(module, t) != planned:
-            cast.append((name, compute_dtype(module, t), planned))
+        if planned is not None and dtype != planned:
+            cast.append((name, dtype, planned))
         if t.device != device and not hooked:
             moved.append((name, t.device))
     if cast:
