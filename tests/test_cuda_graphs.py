@@ -113,7 +113,7 @@ def test_a_rebound_weight_invalidates_the_graph_an_in_place_update_does_not():
 
 
 def test_the_storage_walk_sees_what_named_parameters_and_buffers_see():
-    from flowlock.cuda_graphs import _watched, _watched_names
+    from flowlock.cuda_graphs import registered_tensor_names, registered_tensors
     from flowlock.models.minimax_h3.tiny import tiny_h3
 
     model = tiny_h3()
@@ -123,7 +123,7 @@ def test_the_storage_walk_sees_what_named_parameters_and_buffers_see():
     named = [(f"0.{n}", t) for n, t in model.named_parameters(remove_duplicate=False)]
     named += [(f"0.{n}", t) for n, t in model.named_buffers(remove_duplicate=False)]
     named += [(f"1.{n}", t) for n, t in outside.named_parameters(remove_duplicate=False)]
-    walked = list(zip(_watched_names([model, outside]), _watched([model, outside])))
+    walked = list(zip(registered_tensor_names([model, outside]), registered_tensors([model, outside])))
     assert sorted((n, id(t)) for n, t in walked) == sorted((n, id(t)) for n, t in named)
 
 

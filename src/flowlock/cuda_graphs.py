@@ -50,7 +50,7 @@ def _storage(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.dtype, t.shape, t.stride()
 
 
-def _watched(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+def registered_tensors(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
     """Every parameter and buffer of ``modules``, depth first (a module's own, then its children's in
     registration order), once per place it is registered.
 
@@ -70,9 +70,9 @@ def _watched(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
     return [t for t in found if t is not None]
 
 
-def _watched_names(modules: Iterable[nn.Module]) -> list[str]:
-    """The qualified names of :func:`_watched`'s tensors, in its order (``named_modules`` walks the same
-    preorder), built only to name a tensor in an error."""
+def registered_tensor_names(modules: Iterable[nn.Module]) -> list[str]:
+    """The qualified names of :func:`registered_tensors`'s tensors, in its order (``named_modules``
+    walks the same preorder), built only to name a tensor in an error."""
     return [".".join(filter(None, (str(i), path, key)))
             for i, module in enumerate(modules)
             for path, sub in module.named_modules(remove_duplicate=False)
@@ -95,7 +95,7 @@ class CapturedCall:
                  modules: Iterable[nn.Module] = ()):
         self._graph, self._static, self.outputs = graph, static, outputs
         self._fixed, self._validate, self._modules = frozenset(fixed), validate, tuple(modules)
-        self._stamps = [_storage(t) for t in _watched(self._modules)]
+        self._stamps = [_storage(t) for t in registered_tensors(self._modules)]
         self._grads = [(p, p.grad) for m in self._modules for p in m.parameters() if p.grad is not None]
         self.input_grads = {n: t.grad for n, t in static.items() if t.requires_grad and t.grad is not None}
 
@@ -130,13 +130,13 @@ class CapturedCall:
                              f"captured, got {tuple(value.shape)} {value.dtype} on {value.device}")
 
     def _check_storage(self) -> None:
-        now = [_storage(t) for t in _watched(self._modules)]
+        now = [_storage(t) for t in registered_tensors(self._modules)]
         if now == self._stamps:
             return
         if len(now) != len(self._stamps):
             raise GraphInvalidated(f"the captured modules have {len(now)} parameters and buffers, "
                                    f"{len(self._stamps)} at capture")
-        name = next(n for n, a, b in zip(_watched_names(self._modules), now, self._stamps) if a != b)
+        name = next(n for n, a, b in zip(registered_tensor_names(self._modules), now, self._stamps) if a != b)
         raise GraphInvalidated(f"{name} changed storage, shape, strides or dtype since capture: the graph "
                                "would read its old memory; update weights in place, or capture again")
 

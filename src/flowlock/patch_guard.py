@@ -3,7 +3,7 @@
 A family's plan builder records, with :func:`record`, the dtype of every parameter and buffer the
 strict path reads, by qualified name. At call time :meth:`PlanGuard.unchanged` answers whether the
 model's tensors still have the dtypes and devices of the last state the family accepted for a call
-on that device: one walk of the modules' registration dicts (:func:`flowlock.cuda_graphs._watched`,
+on that device: one walk of the modules' registration dicts (:func:`flowlock.cuda_graphs.registered_tensors`,
 the graphed path's storage check) and one list comparison, no names built. Only when it says no does
 the family walk the model by name, compare with :attr:`PlanGuard.planned` and either raise or
 :meth:`PlanGuard.accept` the new state (a model moved to the call's device, adapters added, storage
@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import nn
 
-from flowlock.cuda_graphs import _watched
+from flowlock.cuda_graphs import registered_tensors
 from flowlock.patching import REPLACEMENT_MARK
 
 # model -> its PlanGuard; weak, so a guard never keeps a model alive.
@@ -33,7 +33,7 @@ class PlanGuard:
 
     @staticmethod
     def _signature(model: nn.Module, device: torch.device) -> tuple:
-        return device, [(t.dtype, t.device) for t in _watched((model,))]
+        return device, [(t.dtype, t.device) for t in registered_tensors((model,))]
 
     def unchanged(self, model: nn.Module, device: torch.device) -> bool:
         """Whether ``model``'s tensors are in the state last accepted for a call on ``device``."""
