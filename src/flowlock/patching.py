@@ -112,6 +112,14 @@ class PatchHandle:
     def active(self) -> bool:
         return not self._removed
 
+    def overwritten(self) -> list[tuple[str, str]]:
+        """``(module qualified name, attribute)`` of every live patch whose attribute no longer holds
+        flowlock's replacement (someone assigned over it after the patch)."""
+        if self._removed:
+            return []
+        return [(a.entry.module, a.entry.attribute) for a in self._applied
+                if a.target.__dict__.get(a.entry.attribute, _MISSING) is not a.entry.replacement]
+
     def remove(self) -> None:
         """Restore every patched attribute to its previous instance-level value (or its absence).
 
