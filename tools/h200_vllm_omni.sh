@@ -19,6 +19,12 @@
 #            Stock here is vLLM-Omni without vllm's compiled ops: its torch-native RMSNorm / SiLU-and-mul /
 #            q-k norm + RoPE, cuBLAS linears, torch SDPA attention, its own Triton indexed modulation
 #   tests    tests/integrations/test_vllm_omni_engine_invariance.py on this machine's CPU (torch 2.11, the bundle)
+#   verl     benchmarks/bench_verl_omni_rollout.py: verl-omni's H3 FlowGRPO rollout (flowlock's strict sampler on the
+#            plugin-installed native DiT) replayed by the strict diffusers actor, tiny and full-width 2-block H3:
+#            Δlogp / ratio / clip fraction strict and stock, and the rollout's per-step time against verl-omni's
+#            stock step (its CPS scheduler from a verl-omni checkout: carry it as .verl_omni, or set VERL_OMNI)
+#            -> $OUT/bench_verl_omni_rollout.json
+# STAGES="verl" (say) runs env, install, import and only the named later stages.
 # Everything printed goes to $OUT/h200_vllm_omni.log. BUDGET_S (default 520) bounds the whole run.
 # For a dry run of this script on a CPU machine: BUNDLE=<a bundle built with --python-version of that
 # python> DEVICE=cpu BENCH_ARGS=--smoke PYTHON=<venv python> bash tools/h200_vllm_omni.sh
@@ -106,17 +112,22 @@ EOF
 }
 
 export -f env_info install_bundle import_probe
+# STAGES picks the stages after env / install / import (default: all of them)
+wants() { [[ " ${STAGES:-engines bench tests verl} " == *" $1 "* ]]; }
 stage env 30 env_info
 stage install 90 install_bundle
 stage import 60 import_probe
-stage engines 150 "$PYTHON" tools/vllm_omni_engines_cuda.py --device "$DEVICE" --out "$OUT/engines_cuda.json"
+wants engines && stage engines 150 "$PYTHON" tools/vllm_omni_engines_cuda.py --device "$DEVICE" --out "$OUT/engines_cuda.json"
 # the CPU test gate of the benchmark (tests/integrations) passed at this commit on the CPU machine; the
 # tests stage below runs the engine-invariance file here too
 # shellcheck disable=SC2086
-stage bench 240 "$PYTHON" benchmarks/bench_vllm_omni.py --device "$DEVICE" --skip-gate ${BENCH_ARGS:-} \
+wants bench && stage bench 240 "$PYTHON" benchmarks/bench_vllm_omni.py --device "$DEVICE" --skip-gate ${BENCH_ARGS:-} \
     --out "$OUT/bench_vllm_omni.json"
-stage tests 150 "$PYTHON" -m pytest -x -q -p no:cacheprovider -m "not gpu and not multigpu and not slow" \
+wants tests && stage tests 150 "$PYTHON" -m pytest -x -q -p no:cacheprovider -m "not gpu and not multigpu and not slow" \
     tests/integrations/test_vllm_omni_engine_invariance.py
+# verl-omni's CPS scheduler (the stock rollout step) comes from a verl-omni checkout carried as .verl_omni
+wants verl && stage verl 240 "$PYTHON" benchmarks/bench_verl_omni_rollout.py --device "$DEVICE" --skip-gate \
+    --verl-omni "${VERL_OMNI:-.verl_omni}" ${BENCH_ARGS:-} --out "$OUT/bench_verl_omni_rollout.json"
 echo "=== done in $((SECONDS - start))s"
 cat "$OUT/stages.txt"
 # exit non-zero when any stage failed or did not run (every stage's result is above either way)

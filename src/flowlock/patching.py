@@ -197,6 +197,11 @@ def apply_plan(root: nn.Module, plan: list[PatchEntry], handle: PatchHandle) -> 
     return handle
 
 
+def active_patch(module: nn.Module) -> PatchHandle | None:
+    """The live flowlock patch that replaced an attribute of ``module`` itself, or None."""
+    return _ACTIVE.get(module)
+
+
 def register_plan(model_class: str, builder: str) -> None:
     """Register the patch plan of a model class, both given by import path.
 

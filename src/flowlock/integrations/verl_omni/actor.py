@@ -25,7 +25,7 @@ from torch import nn
 
 import flowlock
 from flowlock.integrations.verl_omni.record import ReplayResult, ReplayStep, replay_log_prob, replay_step, row_widths
-from flowlock.patching import PatchHandle
+from flowlock.patching import PatchHandle, active_patch
 from flowlock.rl.minimax_h3 import H3Schedules, h3_schedules
 
 # The rollout's grids are vLLM-Omni's, counted in evaluations (verl-omni's ``num_inference_steps``).
@@ -40,7 +40,8 @@ class ForwardReplacedError(RuntimeError):
 
 def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
     """Patch ``module`` (a diffusers H3 transformer, wrapped or not) with ``flowlock.patch`` the first
-    time it is seen, and check on every call that its forward is still the patched one.
+    time it is seen (a module the caller already patched keeps that patch and its mode), and check on
+    every call that its forwards are still the patched ones.
 
     Returns ``module``. Raises ``ForwardReplacedError`` when someone replaced the patched forward (verl-omni's
     ``enable_packed_forward``: the packed multi-sample forward is not served on the strict path; the
@@ -48,8 +49,8 @@ def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
     whatever ``flowlock.patch`` raises for a module it cannot serve.
     """
     handle = _handles.get(module)
-    if handle is None:
-        handle = flowlock.patch(module, mode=mode)
+    if handle is None or not handle.active:
+        handle = active_patch(module) or flowlock.patch(module, mode=mode)
         _handles[module] = handle
     overwritten = handle.overwritten()
     if overwritten:
