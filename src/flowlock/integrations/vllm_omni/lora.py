@@ -203,8 +203,27 @@ def install_lora_layout(model: nn.Module) -> None:
     model.stacked_params_mapping = existing + tuple(e for e in FC1_LAYOUT if e not in existing)
 
 
+class _InMemoryAdapters(nn.Module):
+    """The pipeline a ``DiffusionLoRAManager`` is built on: it scans ``transformer`` for layers to wrap
+    and loads each adapter it adds through ``_load_diffusion_lora_adapter``, here from ``pending``
+    (the mapped tensors, their ``PEFTHelper`` and the staging device) rather than from a path."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.transformer = model
+        self.pending = None
+
+    def _load_diffusion_lora_adapter(self, *, lora_request, lora_path, dtype):
+        from vllm.lora.lora_model import LoRAModel
+
+        tensors, helper, staging = self.pending
+        lora = LoRAModel.from_lora_tensors(lora_model_id=lora_request.lora_int_id, tensors=dict(tensors),
+                                           peft_helper=helper, device=staging, dtype=dtype)
+        return lora, helper
+
+
 def add_lora_to_engine(model: nn.Module, tensors: Mapping[str, torch.Tensor], config: Mapping, *,
-                       adapter_id: int = 1, dtype: torch.dtype | None = None):
+                       adapter_id: int = 1, dtype: torch.dtype | None = None, manager=None):
     """Register and activate mapped LoRA tensors on ``model`` with vLLM-Omni's ``DiffusionLoRAManager``.
 
     ``tensors`` / ``config``: :func:`map_lora_update_to_engine`'s output (names under
@@ -215,36 +234,37 @@ def add_lora_to_engine(model: nn.Module, tensors: Mapping[str, torch.Tensor], co
     (``condition_proj``: bf16, or float32 for a model cast to FP32), which the strict path needs the
     LoRA buffers in (those of the base weights they add to). Returns the manager (``set_active_adapter(None)``
     suspends the adapter; ``remove_adapter(adapter_id)`` drops it).
+
+    ``manager``: one this function returned for ``model`` earlier, to replace its adapter with an
+    update (a second manager on wrapped layers would bind nothing). An adapter registered under
+    ``adapter_id`` is removed first: the manager skips loading an id it holds, which would keep
+    serving the old factors. ``dtype`` is then the manager's own.
     """
-    from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
     from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
     from vllm_omni.lora.request import LoRARequest
 
-    install_lora_layout(model)
-    helper = PEFTHelper.from_dict(dict(config))
-
-    class _Holder(nn.Module):
-        # the manager scans a pipeline's ``transformer`` and asks it to load adapters
-        def __init__(self):
-            super().__init__()
-            self.transformer = model
-
-        def _load_diffusion_lora_adapter(self, *, lora_request, lora_path, dtype):
-            lora = LoRAModel.from_lora_tensors(lora_model_id=lora_request.lora_int_id, tensors=dict(tensors),
-                                               peft_helper=helper, device=staging, dtype=dtype)
-            return lora, helper
-
     device = next(model.parameters()).device
-    if dtype is None:
-        dtype = model.condition_proj.weight.dtype
     # the model's device with an explicit index: vLLM pins host memory for the literal "cpu",
     # which a host without an accelerator cannot do (and a CPU model never copies from)
     staging = f"{device.type}:{device.index or 0}"
-    manager = DiffusionLoRAManager(_Holder(), device=device, dtype=dtype)
+    pending = (tensors, PEFTHelper.from_dict(dict(config)), staging)
+    if manager is None:
+        install_lora_layout(model)
+        holder = _InMemoryAdapters(model)
+        if dtype is None:
+            dtype = model.condition_proj.weight.dtype
+        manager = DiffusionLoRAManager(holder, device=device, dtype=dtype)
+    elif not isinstance(manager.pipeline, _InMemoryAdapters) or manager.pipeline.transformer is not model:
+        raise ValueError("manager was not built by add_lora_to_engine for this model")
+    manager.remove_adapter(adapter_id)
+    manager.pipeline.pending = pending
     request = LoRARequest(lora_name=f"flowlock-sync-{adapter_id}", lora_int_id=adapter_id,
                           lora_path=f"/flowlock/in-memory/{adapter_id}")
-    manager.set_active_adapter(request, 1.0)
+    try:
+        manager.set_active_adapter(request, 1.0)
+    finally:
+        manager.pipeline.pending = None
     return manager
 
 
