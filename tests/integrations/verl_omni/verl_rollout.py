@@ -4,9 +4,10 @@ Each request is sampled alone, as verl-omni's rollout samples it: vLLM-Omni's pa
 (``engine_inputs.make_request``) and flowlock's strict sampling loop
 (:func:`flowlock.integrations.verl_omni.rollout.cps_rollout`: keyed starting rows and SDE noise, CPS
 steps, the joint 0.5/0.5 log-prob of the selected ones), one forward per grid step with the rollout's
-own timestep convention (video rows index 0, audio rows index 1 of ``[t_video, t_audio]``). The record carries the fields verl-omni's rollout writes
-(padded layout and prompt, ``latent_meta``) plus the noise keys; :func:`stack` batches requests into
-the ``TensorDict`` the trainer cuts into micro-batches.
+own timestep convention (video rows index 0, audio rows index 1 of ``[t_video, t_audio]``). The
+record carries the fields verl-omni's rollout writes (padded layout and prompt, ``latent_meta``)
+plus the noise keys; :func:`stack` batches requests into the ``TensorDict`` the trainer cuts into
+micro-batches.
 """
 
 from __future__ import annotations
