@@ -95,3 +95,12 @@ def test_the_sde_window_is_verl_omnis_selection():
                                                                                   contiguous=False, seed=7)
     with pytest.raises(ValueError, match="does not fit"):
         sde_window(4, window_size=5)
+
+
+def test_lora_configs_the_rollout_cannot_match_are_refused():
+    assert actor.lora_config_refusals(rank=0, alpha=3, merge=True) == []
+    assert actor.lora_config_refusals(rank=16, alpha=32, merge=False) == []
+    [scale] = actor.lora_config_refusals(rank=16, alpha=24, merge=False)
+    assert "24 / 16 is not a power of two" in scale
+    [merge] = actor.lora_config_refusals(rank=8, alpha=8, merge=True)
+    assert "lora.merge=True" in merge

@@ -301,3 +301,27 @@ def test_a_lora_merged_by_peft_or_a_dora_is_refused(lora_actor):
     dora.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"], use_dora=True))
     with pytest.raises(ValueError, match="transformer_blocks.0.attn.to_q: adapter 'default' is a LoRA variant"):
         merged_weights(dora)
+
+
+def test_syncs_delivered_as_verl_omni_delivers_them_end_themselves_and_a_short_one_is_refused():
+    """Buckets of the whole pipeline (other components, LoRA factors mixed in), no end-of-sync call:
+    each sync finishes when its last tensor arrives; one that ends short is refused by the next."""
+    from flowlock.integrations.verl_omni.sync import RolloutSyncs
+
+    actor = make_h3(ENGINE_CONFIG, seed=2)
+    native = build_native(ENGINE_CONFIG)
+    syncs = RolloutSyncs(native)
+    other = ("vae.decoder.conv.weight", torch.ones(2))
+    factor = ("transformer.transformer_blocks.0.attn.to_q.lora_A.weight", torch.ones(2, 2))
+    buckets = _buckets(_sent(actor))
+    written, others = syncs.load(buckets[0] + [other, factor])
+    assert others == [other] and not any(".lora_" in name for name in written)
+    for bucket in buckets[1:]:
+        written |= syncs.load(bucket)[0]
+    assert written == {f"transformer.{name}" for name in native.state_dict()}
+    _assert_state(native, _converted(actor).state_dict())
+    syncs.load(buckets[0])  # a second sync starts, and ends short
+    before = _snapshot(native)
+    with pytest.raises(CheckpointError, match="twice"):
+        syncs.load(buckets[0])
+    _assert_state(native, before)

@@ -16,6 +16,7 @@ Nothing here imports verl-omni; :mod:`flowlock.integrations.verl_omni.register` 
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -147,3 +148,21 @@ def nft_sample_inputs(layout: Mapping, index: int, text_len: int) -> dict[str, t
         "audio_indices": layout["h3_audio_indices"][index, :na].long(),
         "text_indices": layout["h3_text_indices"][index, :text_len].long(),
     }
+
+
+def lora_config_refusals(*, rank: int, alpha: float, merge: bool) -> list[str]:
+    """Why a verl-omni actor LoRA config (``model.lora_rank``, ``model.lora_alpha``, ``model.lora.merge``)
+    cannot give the rollout the actor's bits (empty: it can). Target modules, dropout and the other
+    peft options are checked against the rollout model at sync time
+    (:func:`flowlock.integrations.verl_omni.sync.lora_config_problems`)."""
+    if rank <= 0:
+        return []
+    problems = []
+    scale = alpha / rank
+    if not (scale > 0 and math.isfinite(scale) and math.frexp(scale)[0] == 0.5):
+        problems.append(f"lora_alpha / lora_rank = {alpha:g} / {rank} is not a power of two: the rollout folds the "
+                        "scale into lora_B, which would round B")
+    if merge:
+        problems.append("lora.merge=True sends merged weights to the rollout while the actor trains (and replays) "
+                        "the unmerged LoRA: the two round differently; use unmerged LoRA sync")
+    return problems

@@ -207,6 +207,11 @@ class FullSync:
         self._written: set[str] = set()
         self._finished = False
 
+    @property
+    def complete(self) -> bool:
+        """Whether every actor tensor has been written (then :meth:`finish` succeeds)."""
+        return set(self._target.sources) <= self._written
+
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Write one bucket; returns the native parameter names it wrote."""
         if self._finished:
@@ -237,7 +242,41 @@ class FullSync:
         return set(self._target.params) | {rope.native}
 
 
-# --------------------------------------------------------------------------------------------- LoRA
+
+class RolloutSyncs:
+    """The full-weight syncs of one rollout DiT as verl-omni delivers them: buckets of a whole
+    pipeline's tensors and no call that ends a sync.
+
+    :meth:`load` writes a bucket's transformer tensors through a :class:`FullSync` and finishes it
+    once every actor tensor has arrived, so the next bucket starts the next sync; a sync that ended
+    short is refused by the next one (its first tensor arrives twice in one sync). LoRA factors
+    (``lora_A`` / ``lora_B``) are skipped: they reach the rollout through :func:`add_lora`.
+    """
+
+    def __init__(self, native_dit: nn.Module, *, prefix: str = COMPONENT):
+        self._model, self._prefix = native_dit, prefix
+        self._sync: FullSync | None = None
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]
+             ) -> tuple[set[str], list[tuple[str, torch.Tensor]]]:
+        """Returns the native names written (with the prefix) and the bucket's other components'
+        tensors, untouched, for their own loader."""
+        mine, others = [], []
+        for name, tensor in weights:
+            if not name.startswith(self._prefix):
+                others.append((name, tensor))
+            elif ".lora_A." not in name and ".lora_B." not in name:
+                mine.append((name, tensor))
+        if not mine:
+            return set(), others
+        sync = self._sync or FullSync(self._model, prefix=self._prefix)
+        written = sync.load(mine)
+        if sync.complete:
+            written |= sync.finish()
+            sync = None
+        self._sync = sync
+        return {self._prefix + name for name in written}, others
+
 
 def _peft_targets(config: Mapping, modules: Iterable[str]) -> set[str]:
     """The modules peft's ``target_modules`` rule picks among ``modules`` (a string is a full-match
