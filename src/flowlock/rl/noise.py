@@ -7,6 +7,11 @@ modality code) gives four 32-bit words, two 52-bit uniforms and, through Box–M
 (:mod:`flowlock.rl.ieee_math`) and rounds once to float32, so CPU and GPU produce the same bits,
 and any engine, batch composition or order regenerates the same noise.
 
+Backends (:mod:`flowlock.dispatch`): on a CUDA device a draw is one Triton launch
+(:mod:`flowlock.rl.noise_kernel`), elsewhere the torch spec below (about 400 small ops per draw);
+``use_backend`` forces either, the Triton one on the CPU under ``TRITON_INTERPRET=1``. Both give the
+same bits.
+
 Step keys: transition ``k`` uses counter word ``k + 1``; word 0 is reserved for the initial
 latents (:func:`initial_latents`), so no step can collide with them.
 """
@@ -18,7 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
+from flowlock.dispatch import backend_for
 from flowlock.rl.ieee_math import cos_sin_turns, log_f64
+from flowlock.rl.noise_kernel import keyed_normal_fwd
 from flowlock.rl.philox import philox4x32
 
 MODALITY_CODES = {"video": 1, "audio": 2}
@@ -70,6 +77,20 @@ def _keyed_normal(seed: int, sample_id: int, step_key: int, code: int, shape: tu
     return pairs[:numel].to(torch.float32).reshape(shape)
 
 
+def _draws(seed: int, sample_ids: list[int], step_key: int, code: int, shape: tuple[int, ...],
+           device: torch.device | str) -> torch.Tensor:
+    """``(len(sample_ids), *shape)`` float32: row ``b`` is the draw of ``sample_ids[b]``, computed by the
+    backend :func:`flowlock.dispatch.backend_for` picks for ``device`` (one Triton launch per row)."""
+    out = torch.empty((len(sample_ids), *shape), dtype=torch.float32, device=device)
+    if backend_for("noise", out) == "triton":
+        for b, sample_id in enumerate(sample_ids):
+            keyed_normal_fwd(out[b], seed, sample_id, step_key, code)
+    else:
+        for b, sample_id in enumerate(sample_ids):
+            out[b] = _keyed_normal(seed, sample_id, step_key, code, shape, out.device)
+    return out
+
+
 def noise(seed: int, sample_id: int, step: int, modality: str, shape: tuple[int, ...], *,
           device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard-normal float32 noise of ``shape`` for transition ``step`` of one sample's modality.
@@ -83,7 +104,7 @@ def noise(seed: int, sample_id: int, step: int, modality: str, shape: tuple[int,
     step = _check_int("step", step, 0, _MAX_U32 - 1)
     code = _check_modality(modality)
     shape = _check_shape("shape", shape)
-    return _keyed_normal(seed, sample_id, step + 1, code, shape, device)
+    return _draws(seed, [sample_id], step + 1, code, shape, device)[0]
 
 
 def _check_sample_ids(sample_ids: object, batch: int) -> list[int]:
@@ -119,7 +140,7 @@ def batch_noise(seed: int, sample_ids: Sequence[int] | torch.Tensor, step: int, 
     step = _check_int("step", step, 0, _MAX_U32 - 1)
     code = _check_modality(modality)
     shape = _check_shape("shape_per_sample", shape_per_sample)
-    return torch.stack([_keyed_normal(seed, i, step + 1, code, shape, device) for i in ids])
+    return _draws(seed, ids, step + 1, code, shape, device)
 
 
 def initial_latents(seed: int, sample_ids: Sequence[int] | torch.Tensor, modality: str,
@@ -134,4 +155,4 @@ def initial_latents(seed: int, sample_ids: Sequence[int] | torch.Tensor, modalit
     seed = _check_int("seed", seed, 0, 2**64 - 1)
     code = _check_modality(modality)
     shape = _check_shape("shape_per_sample", shape_per_sample)
-    return torch.stack([_keyed_normal(seed, i, _INITIAL_STEP_KEY, code, shape, device) for i in ids])
+    return _draws(seed, ids, _INITIAL_STEP_KEY, code, shape, device)
