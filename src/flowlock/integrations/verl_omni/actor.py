@@ -40,8 +40,8 @@ class ForwardReplacedError(RuntimeError):
 
 
 def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
-    """Patch ``module`` (a diffusers H3 transformer, wrapped or not) with ``flowlock.patch`` the first
-    time it is seen (a module the caller already patched keeps that patch and its mode), and check on
+    """Patch ``module`` (a diffusers H3 transformer, wrapped or not; a peft ``PeftModel``'s base model,
+    which verl-omni's LoRA actor wraps) with ``flowlock.patch`` the first time it is seen (a module the caller already patched keeps that patch and its mode), and check on
     every call that its forwards are still the patched ones.
 
     Returns ``module``. Raises ``ForwardReplacedError`` when someone replaced the patched forward (verl-omni's
@@ -49,10 +49,11 @@ def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
     strict adapters run one forward per sample, which gives each sample the bits it has alone), and
     whatever ``flowlock.patch`` raises for a module it cannot serve.
     """
-    handle = _handles.get(module)
+    target = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    handle = _handles.get(target)
     if handle is None or not handle.active:
-        handle = active_patch(module) or flowlock.patch(module, mode=mode)
-        _handles[module] = handle
+        handle = active_patch(target) or flowlock.patch(target, mode=mode)
+        _handles[target] = handle
     overwritten = handle.overwritten()
     if overwritten:
         names = ", ".join(f"{name or '<root>'}.{attribute}" for name, attribute in overwritten)
@@ -64,8 +65,9 @@ def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
 
 
 def strict_handle(module: nn.Module) -> PatchHandle | None:
-    """The patch :func:`strict_transformer` made on ``module``, or None."""
-    return _handles.get(module)
+    """The patch :func:`strict_transformer` made on ``module`` (its peft base model), or None."""
+    target = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    return _handles.get(target)
 
 
 def actor_schedules(num_inference_steps: int) -> H3Schedules:
