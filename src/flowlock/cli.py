@@ -7,6 +7,8 @@ the runs and their reports live in :mod:`flowlock.validate` (reports: :mod:`flow
 ``flowlock check``  the validation suites (:mod:`flowlock.validate.suites`); exit status 1 on any failure.
 ``flowlock trace``  first divergence between a sample alone and inside a batch, strict and stock;
                     ``--rollout vllm-omni``: the first module where vLLM-Omni and diffusers differ;
+                    ``--rollout verl-omni``: the first record field, transition or module where a
+                    verl-omni H3 FlowGRPO rollout and its actor replay differ;
                     ``--layout L [--against ulysses=1]``: the first module and rank where layout L
                     differs from one process (gloo subprocesses).
 ``flowlock bench``  the benchmark scripts in ``benchmarks/`` (each refuses to run on a red test gate);
@@ -139,6 +141,29 @@ def _trace_layout(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _verl_omni_trace(args: argparse.Namespace) -> int:
+    """``trace --rollout verl-omni`` (:mod:`flowlock.validate.verl_trace`)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_omni") is None or importlib.util.find_spec("vllm") is None:
+        print("flowlock: --rollout verl-omni needs vllm 0.30.0 and vllm-omni 0.30.0 installed "
+              "(see requirements/vllm-cpu.txt)", file=sys.stderr)
+        return 2
+    from flowlock.integrations.vllm_omni.runtime import NoAttentionBackend
+    from flowlock.validate.report import show, write_json
+    from flowlock.validate.verl_trace import report_blocks, trace_verl_omni
+
+    try:
+        payload = trace_verl_omni(_device(args.device))
+    except NoAttentionBackend as err:
+        print(f"flowlock: {err}", file=sys.stderr)
+        return 2
+    show(report_blocks(payload))
+    if args.json:
+        write_json(args.json, payload)
+    return 0 if payload["ok"] else 1
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     if args.layout:
         if args.rollout != "diffusers":
@@ -148,6 +173,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return _trace_layout(args)
     if args.rollout == "vllm-omni":
         return _across_engines(args)
+    if args.rollout == "verl-omni":
+        return _verl_omni_trace(args)
     from flowlock.validate.batch_trace import run_traces, trace_lines
     from flowlock.validate.demo import load_model
     from flowlock.validate.report import show, write_json
@@ -310,7 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.choices["check"].add_argument("--layout", default=None, help=layout_help("check"))
     trace_parser = sub.choices["trace"]
-    trace_parser.add_argument("--rollout", **rollout)
+    trace_parser.add_argument("--rollout", **{**rollout, "choices": (*rollout["choices"], "verl-omni"),
+                                              "help": rollout["help"] + "; verl-omni: a FlowGRPO rollout "
+                                              "in vLLM-Omni and its actor replay on verl-omni's record"})
     trace_parser.add_argument("--layout", default=None, help=layout_help("trace"))
     trace_parser.add_argument("--against", default=ONE_PROCESS.name, help="with --layout: the reference layout "
                               f"(one process, {ONE_PROCESS.name})")

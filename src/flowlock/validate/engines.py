@@ -196,6 +196,14 @@ def trace_engines(diffusers_model, native_model, *, mode: str, seed: int = 1) ->
     audio = torch.randn(branch.audio_pos.numel(), 32, generator=gen).to(device)
     kwargs = _forward_kwargs([branch], [video], [audio], 0.3, 0.55)
     (replay,) = diffusers_requests(kwargs)
+    return first_module_difference(diffusers_model, native_model, kwargs, replay.kwargs, mode=mode)
+
+
+def first_module_difference(diffusers_model, native_model, native_kwargs: dict, diffusers_kwargs: dict, *,
+                            mode: str) -> dict:
+    """Run one request through both engines (``native_kwargs``: vLLM-Omni's packed forward kwargs;
+    ``diffusers_kwargs``: the same request for ``MiniMaxH3Transformer3DModel``) in ``mode`` and name
+    the first paired module whose output differs, in the diffusers forward's completion order."""
 
     def run(model, call_kwargs):
         def call():
@@ -203,8 +211,8 @@ def trace_engines(diffusers_model, native_model, *, mode: str, seed: int = 1) ->
                 return model(**call_kwargs)
         return call
 
-    native = {r.name: r for r in capture(native_model, run(native_model, kwargs))}
-    trainer = capture(diffusers_model, run(diffusers_model, replay.kwargs))
+    native = {r.name: r for r in capture(native_model, run(native_model, native_kwargs))}
+    trainer = capture(diffusers_model, run(diffusers_model, diffusers_kwargs))
     pairs = {_diffusers_name(name): name for name in native if _diffusers_name(name) is not None}
     compared, skipped = 0, []
     for record in trainer:

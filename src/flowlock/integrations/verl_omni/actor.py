@@ -41,8 +41,9 @@ class ForwardReplacedError(RuntimeError):
 
 def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
     """Patch ``module`` (a diffusers H3 transformer, wrapped or not; a peft ``PeftModel``'s base model,
-    which verl-omni's LoRA actor wraps) with ``flowlock.patch`` the first time it is seen (a module the caller already patched keeps that patch and its mode), and check on
-    every call that its forwards are still the patched ones.
+    which verl-omni's LoRA actor wraps) with ``flowlock.patch`` the first time it is seen (a module the
+    caller already patched keeps that patch and its mode), and check on every call that its forwards
+    are still the patched ones.
 
     Returns ``module``. Raises ``ForwardReplacedError`` when someone replaced the patched forward (verl-omni's
     ``enable_packed_forward``: the packed multi-sample forward is not served on the strict path; the

@@ -23,6 +23,7 @@ from torch import nn
 from flowlock.integrations.verl_omni.noise import RequestNoise
 from flowlock.integrations.verl_omni.rollout import RolloutResult, cps_rollout
 from flowlock.integrations.vllm_omni import plugin
+from flowlock.patching import active_patch
 from flowlock.rl.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, h3_schedules
 
 GRID_CONVENTION = "evaluations"
@@ -56,7 +57,8 @@ def native_row_widths(transformer: nn.Module) -> tuple[int, int]:
 
 
 def _check_strict(transformer: nn.Module) -> None:
-    if not plugin.installed(transformer):
+    # installed by the vLLM plugin at load, or by the caller's flowlock.integrations.vllm_omni.install
+    if not plugin.installed(transformer) and active_patch(transformer) is None:
         raise RuntimeError(
             "the rollout worker's MiniMax-H3 DiT is not on flowlock's strict path: set "
             f"{plugin.SWITCH_ENV}=strict in the rollout workers' environment (the vLLM plugin installs flowlock "
