@@ -10,7 +10,8 @@ The rollout engine is vLLM-Omni 0.30.0's native ``MiniMaxH3DiTModel`` loaded fro
 is the diffusers ``MiniMaxH3Transformer3DModel`` wrapped by peft LoRA, as verl-omni's LoRA actor holds it.
 Each iteration: ``--requests`` requests rolled out, the actor's replay, then a LoRA update on the actor
 (A and B moved as an optimizer step moves them) synced to the rollout; iteration 2 rolls out with the
-synced weights.
+synced weights. With flowlock on, iteration 1 starts with a full-weight sync through the rollout
+pipeline's ``load_weights`` (three buckets, as verl-omni's checkpoint engine sends them).
 
 * DiffusionNFT (verl-omni's ``diffusion_nft`` classes): the rollout pipeline class's ``diffuse`` samples
   each request; the trainer noises the clean sample at a training timestep (keyed noise) and the actor
@@ -94,6 +95,15 @@ def _lora_update(actor, step: int) -> dict[str, torch.Tensor]:
     return dict(get_peft_model_state_dict(actor))
 
 
+def _full_sync(pipe, actor) -> int:
+    """The actor's full weights through the rollout pipeline's ``load_weights``, in three buckets of
+    ``transformer.``-prefixed names as verl-omni's checkpoint engine sends them (peft's ``base_layer``
+    spelling and the LoRA factors included: the factors take the LoRA path). Returns the native
+    tensors written."""
+    pairs = [(f"transformer.{name}", tensor) for name, tensor in actor.get_base_model().state_dict().items()]
+    return sum(len(pipe.load_weights(pairs[i::3])) for i in range(3))
+
+
 def _text(seed: int) -> torch.Tensor:
     from engine_inputs import ENGINE_CONFIG
 
@@ -155,6 +165,7 @@ def _nft(on: bool, args) -> dict:
     manager, iterations = None, []
     for iteration in (1, 2):
         pipe = _shell(rollout_cls, native, _nft_capture=None, default_video_shift=12.0)
+        synced = _full_sync(pipe, actor) if on and iteration == 1 else None
         dv, dx0 = 0.0, 0.0
         for i in range(args.requests):
             text, seed = _text(50 * iteration + i), 500 * iteration + i
@@ -215,7 +226,8 @@ def _nft(on: bool, args) -> dict:
                                           eta=ETA)
                 dx0 = max(dx0, float((regenerated.video - video0).abs().max()),
                           float((regenerated.audio - audio0).abs().max()))
-        iterations.append({"iteration": iteration, "max_abs_dv": dv, **({"max_abs_dx0": dx0} if on else {})})
+        iterations.append({"iteration": iteration, "max_abs_dv": dv, **({"max_abs_dx0": dx0} if on else {}),
+                           **({"full_sync_tensors": synced} if synced is not None else {})})
         factors = _lora_update(actor, iteration)
         peft_config = lora.to_dict()
         if on:
@@ -241,7 +253,11 @@ def _flow_grpo(on: bool, args) -> dict:
     actor, native, lora = _models(seed=12)
     cfg = OmegaConf.create({"pipeline": {"num_inference_steps": NUM_STEPS}, "algo": {"noise_level": ETA,
                             "sde_type": "cps"}, "lora_rank": 4, "lora_alpha": 8, "lora": {}})
-    scheduler = actor_cls.build_scheduler(cfg)
+    from verl_omni.pipelines.schedulers import FlowMatchSDEDiscreteScheduler
+
+    # build_scheduler places the grids on verl's device name, "cuda" on this CPU host: the same pair, on the CPU
+    scheduler = (FlowMatchSDEDiscreteScheduler(), FlowMatchSDEDiscreteScheduler())
+    actor_cls.set_timesteps(scheduler, cfg, "cpu")
     mode = "strict" if on else "provider"
     state = dict(_flow_grpo_noise_level=ETA, _flow_grpo_sde_type="cps", _flow_grpo_window_size=2,
                  _flow_grpo_window_range=None, _flow_grpo_sde_contiguous=True, _flow_grpo_seed=42,
@@ -249,6 +265,7 @@ def _flow_grpo(on: bool, args) -> dict:
     manager, iterations = None, []
     for iteration in (1, 2):
         pipe = _shell(rollout_cls, native, **state)
+        synced = _full_sync(pipe, actor) if on and iteration == 1 else None
         records = []
         for i in range(args.requests):
             with flowlock.mode(mode):
@@ -269,7 +286,8 @@ def _flow_grpo(on: bool, args) -> dict:
                 worst = max(worst, float((log_prob - old).abs().max()))
                 ratios.append(torch.exp(log_prob.double() - old.double()))
         ratio = torch.cat(ratios)
-        iterations.append({"iteration": iteration, "max_abs_dlogp": worst, "ratio_min": float(ratio.min()),
+        iterations.append({"iteration": iteration, **({"full_sync_tensors": synced} if synced is not None else {}),
+                           "max_abs_dlogp": worst, "ratio_min": float(ratio.min()),
                            "ratio_max": float(ratio.max()),
                            "clip_fraction": float(((ratio - 1).abs() > CLIP).double().mean()),
                            "replays": int(ratio.numel())})
