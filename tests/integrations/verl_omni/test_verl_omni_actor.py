@@ -71,8 +71,9 @@ def test_a_forward_replaced_after_the_patch_is_refused_by_name(model, record):
 
 
 def test_a_grid_the_rollout_did_not_use_is_refused_before_the_forward(model, record):
-    with pytest.raises(ValueError, match="sigma grid differs"):
-        actor.replay_inputs(model, record[[0]], 1, num_inference_steps=NUM_STEPS + 1)
+    # transition 0 is grid step 0, where every grid has sigma = 1: the record's later transition shows it
+    with pytest.raises(ValueError, match=r"record\['all_timesteps'\]\[0, 1\] .* sigma grid differs"):
+        actor.replay_inputs(model, record[[0]], 0, num_inference_steps=NUM_STEPS + 1)
     assert actor.strict_handle(model) is None
 
 

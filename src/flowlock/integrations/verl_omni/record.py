@@ -176,16 +176,26 @@ def _text_len(record: Mapping, batch: int) -> int:
     return n
 
 
-def _grid_sigma(schedules: H3Schedules, key: str, timesteps: torch.Tensor, grid: torch.Tensor, index: int):
-    """``(σ, σ')`` of grid step ``index``, after checking the record's timesteps are ``1 - σ``: the rollout
-    and the actor must share the grid bit for bit."""
-    sigma, sigma_next = grid[index], grid[index + 1]
-    expected = (1.0 - sigma).to(torch.float32)
-    if not bool((timesteps == expected).all()):
-        raise ValueError(f"record[{key!r}] = {timesteps.tolist()} is not 1 - sigma = {float(expected)} of grid step "
-                         f"{index} ({schedules.convention!r} grid of {schedules.num_transitions} transitions): the "
-                         "rollout's sigma grid differs from the actor's")
-    return sigma, sigma_next
+def _check_grid(schedules: H3Schedules, steps: torch.Tensor, t_video: torch.Tensor, t_audio: torch.Tensor) -> None:
+    """Every recorded transition's timesteps are ``1 - σ`` of the actor's grids at its recorded grid step,
+    bit for bit: the rollout and the actor must share the grids. All ``K`` transitions are checked, not
+    only the replayed one: a grid with another step count agrees at grid step 0 (σ = 1 on every grid)
+    and shows at any later one."""
+    cpu_steps = steps.cpu().long()
+    outside = (cpu_steps < 0) | (cpu_steps >= schedules.num_transitions)
+    if bool(outside.any()):
+        raise ValueError(f"record['h3_step_indices'] holds grid step {int(cpu_steps[outside][0])}, outside the actor's "
+                         f"{schedules.num_transitions} transitions")
+    for key, timesteps, grid in (("all_timesteps", t_video, schedules.video_sigmas),
+                                 ("h3_audio_timesteps", t_audio, schedules.audio_sigmas)):
+        expected = (1.0 - grid[cpu_steps]).to(torch.float32)
+        wrong = timesteps.cpu() != expected
+        if bool(wrong.any()):
+            b, j = (int(i) for i in wrong.nonzero()[0])
+            raise ValueError(f"record[{key!r}][{b}, {j}] = {float(timesteps[b, j])} is not 1 - sigma = "
+                             f"{float(expected[b, j])} of grid step {int(cpu_steps[b, j])} ({schedules.convention!r} "
+                             f"grid of {schedules.num_transitions} transitions): the rollout's sigma grid differs "
+                             "from the actor's")
 
 
 def replay_step(record: Mapping, transition: int, schedules: H3Schedules, *,
@@ -233,17 +243,13 @@ def replay_step(record: Mapping, transition: int, schedules: H3Schedules, *,
         raise ValueError(f"record['h3_seq_len'] = {seq_len} is not h3_video_rows + h3_audio_rows + text rows = "
                          f"{video_rows} + {audio_rows} + {text_len}")
 
+    _check_grid(schedules, steps, t_video, t_audio)
     grid_steps = steps[:, transition].tolist()
     if len(set(grid_steps)) != 1:
         raise ValueError(f"record['h3_step_indices'][:, {transition}] differs across the micro-batch ({grid_steps})")
     grid_step = int(grid_steps[0])
-    if not 0 <= grid_step < schedules.num_transitions:
-        raise ValueError(f"record['h3_step_indices'] holds grid step {grid_step}, outside the actor's "
-                         f"{schedules.num_transitions} transitions")
-    sv, sv_next = _grid_sigma(schedules, "all_timesteps", t_video[:, transition].cpu(), schedules.video_sigmas,
-                              grid_step)
-    sa, sa_next = _grid_sigma(schedules, "h3_audio_timesteps", t_audio[:, transition].cpu(),
-                              schedules.audio_sigmas, grid_step)
+    sv, sv_next = schedules.video_sigmas[grid_step], schedules.video_sigmas[grid_step + 1]
+    sa, sa_next = schedules.audio_sigmas[grid_step], schedules.audio_sigmas[grid_step + 1]
 
     positions = _shared_rows(record, "h3_position_ids", seq_len, batch,
                              (*INDEX_DTYPES, torch.float32, torch.float64), trailing=(3,))
