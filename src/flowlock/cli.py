@@ -50,21 +50,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _across_engines(args: argparse.Namespace) -> int:
-    """``demo`` / ``trace`` with ``--rollout vllm-omni`` (:mod:`flowlock.validate.engines`)."""
+def _rollout_engine_run(args: argparse.Namespace, run, report_blocks) -> int:
+    """A ``--rollout vllm-omni`` / ``verl-omni`` run: ``run(device)`` builds the tiny H3 in both engines
+    and returns a payload with ``ok``; ``report_blocks(payload)`` is its report."""
     import importlib.util
 
     if importlib.util.find_spec("vllm_omni") is None or importlib.util.find_spec("vllm") is None:
-        print("flowlock: --rollout vllm-omni needs vllm 0.30.0 and vllm-omni 0.30.0 installed "
+        print(f"flowlock: --rollout {args.rollout} needs vllm 0.30.0 and vllm-omni 0.30.0 installed "
               "(see requirements/vllm-cpu.txt)", file=sys.stderr)
         return 2
     from flowlock.integrations.vllm_omni.runtime import NoAttentionBackend
-    from flowlock.validate.engines import engine_demo, report_blocks
     from flowlock.validate.report import show, write_json
 
     try:
-        payload = engine_demo(_device(args.device), **({"n_requests": args.samples, "steps": args.steps}
-                                                        if args.command == "demo" else {"consistency": False}))
+        payload = run(_device(args.device))
     except NoAttentionBackend as err:
         print(f"flowlock: {err}", file=sys.stderr)
         return 2
@@ -72,6 +71,21 @@ def _across_engines(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, payload)
     return 0 if payload["ok"] else 1
+
+
+def _across_engines(args: argparse.Namespace) -> int:
+    """``demo`` / ``trace`` with ``--rollout vllm-omni`` (:mod:`flowlock.validate.engines`)."""
+    from flowlock.validate import engines
+
+    options = {"n_requests": args.samples, "steps": args.steps} if args.command == "demo" else {"consistency": False}
+    return _rollout_engine_run(args, lambda device: engines.engine_demo(device, **options), engines.report_blocks)
+
+
+def _verl_omni_trace(args: argparse.Namespace) -> int:
+    """``trace --rollout verl-omni`` (:mod:`flowlock.validate.verl_trace`)."""
+    from flowlock.validate import verl_trace
+
+    return _rollout_engine_run(args, verl_trace.trace_verl_omni, verl_trace.report_blocks)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -139,29 +153,6 @@ def _trace_layout(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, report)
     return 0 if report["ok"] else 1
-
-
-def _verl_omni_trace(args: argparse.Namespace) -> int:
-    """``trace --rollout verl-omni`` (:mod:`flowlock.validate.verl_trace`)."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm_omni") is None or importlib.util.find_spec("vllm") is None:
-        print("flowlock: --rollout verl-omni needs vllm 0.30.0 and vllm-omni 0.30.0 installed "
-              "(see requirements/vllm-cpu.txt)", file=sys.stderr)
-        return 2
-    from flowlock.integrations.vllm_omni.runtime import NoAttentionBackend
-    from flowlock.validate.report import show, write_json
-    from flowlock.validate.verl_trace import report_blocks, trace_verl_omni
-
-    try:
-        payload = trace_verl_omni(_device(args.device))
-    except NoAttentionBackend as err:
-        print(f"flowlock: {err}", file=sys.stderr)
-        return 2
-    show(report_blocks(payload))
-    if args.json:
-        write_json(args.json, payload)
-    return 0 if payload["ok"] else 1
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

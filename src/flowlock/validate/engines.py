@@ -46,11 +46,11 @@ _NAMES = ((r"video_patch_proj", "proj_in"), (r"audio_patch_proj", "audio_proj_in
           (r"final_layer\.audio_out", "audio_proj_out"))
 
 
-def _branch(shape: tuple, text_dim: int, seed: int, device: torch.device, *, unpadded: bool = False,
-            dtype: torch.dtype = torch.bfloat16):
-    """One request laid out by vLLM-Omni (``MiniMaxH3DenoiseBranch`` over ``minimax_h3_packed_sequence``,
-    padded to its 64-row alignment unless ``unpadded``) with seeded prompt embeddings in ``dtype``
-    (the models' own: bf16, or float32 for all-FP32 models)."""
+def packed_branch(shape: tuple, text: torch.Tensor, device: torch.device, *, unpadded: bool = False):
+    """One t2va request of ``shape`` ``(text rows, latent t, h, w, audio frames)`` laid out by vLLM-Omni
+    (``MiniMaxH3DenoiseBranch`` over ``minimax_h3_packed_sequence``) with prompt embeddings ``text``,
+    padded to its 64-row alignment unless ``unpadded`` (then each block's output has the rows of the
+    diffusers block's)."""
     from vllm_omni.diffusion.models.minimax_h3.denoise_loop import MiniMaxH3DenoiseBranch
     from vllm_omni.diffusion.models.minimax_h3.packed_sequence import minimax_h3_packed_sequence
 
@@ -60,9 +60,16 @@ def _branch(shape: tuple, text_dim: int, seed: int, device: torch.device, *, unp
     packed = minimax_h3_packed_sequence(**layout)
     if unpadded:
         packed = minimax_h3_packed_sequence(**layout, seq_len=int((packed["token_tags"] != -1).sum()))
-    gen = torch.Generator().manual_seed(seed)
-    text = torch.randn(text_len, text_dim, generator=gen).to(dtype).to(device)
     return MiniMaxH3DenoiseBranch(packed=packed, text_embeddings=text, token_tags=packed["token_tags"], device=device)
+
+
+def _branch(shape: tuple, text_dim: int, seed: int, device: torch.device, *, unpadded: bool = False,
+            dtype: torch.dtype = torch.bfloat16):
+    """:func:`packed_branch` with seeded prompt embeddings in ``dtype`` (the models' own: bf16, or float32
+    for all-FP32 models)."""
+    gen = torch.Generator().manual_seed(seed)
+    text = torch.randn(shape[0], text_dim, generator=gen).to(dtype).to(device)
+    return packed_branch(shape, text, device, unpadded=unpadded)
 
 
 def _forward_kwargs(branches, video, audio, t_video: float, t_audio: float) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 import flowlock
-from flowlock.validate.engines import ROLLOUT_WIDTHS, first_module_difference
+from flowlock.validate.engines import ROLLOUT_WIDTHS, first_module_difference, packed_branch
 from flowlock.validate.report import Block
 
 NUM_STEPS, ETA, WINDOW, MAX_TEXT = 4, 0.7, (1, 2), 8
@@ -42,17 +42,7 @@ def _requests(n: int, text_dim: int, device: torch.device):
 
 def _native_kwargs(request, step, device) -> dict:
     """vLLM-Omni's forward kwargs for ``request`` at the replayed transition's state and timesteps, unpadded."""
-    from vllm_omni.diffusion.models.minimax_h3.denoise_loop import MiniMaxH3DenoiseBranch
-    from vllm_omni.diffusion.models.minimax_h3.packed_sequence import minimax_h3_packed_sequence
-
-    text_len, latent_t, latent_h, latent_w, audio_t = REQUEST_SHAPE
-    layout = dict(text_len=text_len, latent_t=latent_t, latent_h=latent_h, latent_w=latent_w, audio_t=audio_t,
-                  include_keyframe_cond=False)
-    # without the 64-row alignment padding, so each block's output has the diffusers block's rows
-    used = int((minimax_h3_packed_sequence(**layout)["token_tags"] != -1).sum())
-    packed = minimax_h3_packed_sequence(**layout, seq_len=used)
-    branch = MiniMaxH3DenoiseBranch(packed=packed, text_embeddings=request.text_embeddings,
-                                    token_tags=packed["token_tags"], device=device)
+    branch = packed_branch(REQUEST_SHAPE, request.text_embeddings, device, unpadded=True)
     t_video, t_audio = (float(1.0 - s) for s in (step.sigma_video[0], step.sigma_audio[0]))
     return branch.forward_kwargs(video_rows=step.model_kwargs["hidden_states"][0],
                                  audio_rows=step.model_kwargs["audio_hidden_states"][0], t_video=t_video,

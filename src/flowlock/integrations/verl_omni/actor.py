@@ -39,6 +39,11 @@ class ForwardReplacedError(RuntimeError):
     """The strict transformer's forward was replaced after flowlock patched it."""
 
 
+def _patch_target(module: nn.Module) -> nn.Module:
+    """The model flowlock patches: a peft ``PeftModel``'s base model, else ``module`` itself."""
+    return module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+
+
 def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
     """Patch ``module`` (a diffusers H3 transformer, wrapped or not; a peft ``PeftModel``'s base model,
     which verl-omni's LoRA actor wraps) with ``flowlock.patch`` the first time it is seen (a module the
@@ -50,7 +55,7 @@ def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
     strict adapters run one forward per sample, which gives each sample the bits it has alone), and
     whatever ``flowlock.patch`` raises for a module it cannot serve.
     """
-    target = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    target = _patch_target(module)
     handle = _handles.get(target)
     if handle is None or not handle.active:
         handle = active_patch(target) or flowlock.patch(target, mode=mode)
@@ -67,8 +72,7 @@ def strict_transformer(module: nn.Module, *, mode: str = "strict") -> nn.Module:
 
 def strict_handle(module: nn.Module) -> PatchHandle | None:
     """The patch :func:`strict_transformer` made on ``module`` (its peft base model), or None."""
-    target = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
-    return _handles.get(target)
+    return _handles.get(_patch_target(module))
 
 
 def actor_schedules(num_inference_steps: int) -> H3Schedules:

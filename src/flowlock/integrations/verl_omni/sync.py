@@ -367,7 +367,6 @@ def add_lora(native_dit: nn.Module, tensors: Mapping[str, torch.Tensor], peft_co
     return add_lora_to_engine(native_dit, mapped, config, adapter_id=adapter_id, manager=manager)
 
 
-# -------------------------------------------------------------------------------------- merged LoRA
 
 def merge_lora_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float
                       ) -> torch.Tensor:
