@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import types
@@ -104,6 +105,23 @@ def _full_sync(pipe, actor) -> int:
     return sum(len(pipe.load_weights(pairs[i::3])) for i in range(3))
 
 
+def _sync_lora(pipe, native, factors: dict, peft_config: dict, on: bool, manager):
+    """The actor's LoRA update into the rollout's DiT; returns the LoRA manager for the next update.
+
+    flowlock on: the rollout pipeline's ``map_lora_update_to_engine`` maps it and vLLM-Omni's LoRA
+    manager activates the mapping, as verl-omni's worker extension does. Off: the same factors placed by
+    flowlock's loader and computed by vLLM's own LoRA layers (provider mode)."""
+    import flowlock
+    from flowlock.integrations.verl_omni import sync
+    from flowlock.integrations.vllm_omni.lora import add_lora_to_engine
+
+    if on:
+        mapped, engine_config = pipe.map_lora_update_to_engine(factors, peft_config)
+        return add_lora_to_engine(native, mapped, engine_config, manager=manager)
+    with flowlock.mode("provider"):
+        return sync.add_lora(native, factors, peft_config, manager=manager)
+
+
 def _text(seed: int) -> torch.Tensor:
     from engine_inputs import ENGINE_CONFIG
 
@@ -152,7 +170,7 @@ def _nft(on: bool, args) -> dict:
     from verl_omni.pipelines.model_base import DiffusionModelBase, VllmOmniPipelineBase
 
     import flowlock
-    from flowlock.integrations.verl_omni import RequestNoise, sync
+    from flowlock.integrations.verl_omni import RequestNoise
     from flowlock.integrations.verl_omni.rollout import cps_rollout
     from flowlock.integrations.verl_omni.vllm_request import GRID_CONVENTION
     from flowlock.rl import h3_schedules, noise
@@ -228,15 +246,7 @@ def _nft(on: bool, args) -> dict:
                           float((regenerated.audio - audio0).abs().max()))
         iterations.append({"iteration": iteration, "max_abs_dv": dv, **({"max_abs_dx0": dx0} if on else {}),
                            **({"full_sync_tensors": synced} if synced is not None else {})})
-        factors = _lora_update(actor, iteration)
-        peft_config = lora.to_dict()
-        if on:
-            mapped = pipe.map_lora_update_to_engine(factors, peft_config)
-            del mapped  # the worker extension hands the mapped update to vLLM's LoRA manager:
-            manager = sync.add_lora(native, factors, peft_config, manager=manager)
-        else:
-            with flowlock.mode("provider"):
-                manager = sync.add_lora(native, factors, peft_config, manager=manager)
+        manager = _sync_lora(pipe, native, _lora_update(actor, iteration), lora.to_dict(), on, manager)
     return {"algorithm": "diffusion_nft", "actor_class": f"{actor_cls.__module__}.{actor_cls.__qualname__}",
             "rollout_class": f"{rollout_cls.__module__}.{rollout_cls.__qualname__}", "iterations": iterations}
 
@@ -246,7 +256,6 @@ def _flow_grpo(on: bool, args) -> dict:
     from verl_omni.pipelines.model_base import DiffusionModelBase, VllmOmniPipelineBase
 
     import flowlock
-    from flowlock.integrations.verl_omni import sync
 
     actor_cls = DiffusionModelBase.get_class_by_name(ARCH, "flow_grpo")
     rollout_cls = VllmOmniPipelineBase.get_class(ARCH, "flow_grpo")
@@ -291,9 +300,7 @@ def _flow_grpo(on: bool, args) -> dict:
                            "ratio_max": float(ratio.max()),
                            "clip_fraction": float(((ratio - 1).abs() > CLIP).double().mean()),
                            "replays": int(ratio.numel())})
-        factors = _lora_update(actor, iteration)
-        with flowlock.mode(mode):
-            manager = sync.add_lora(native, factors, lora.to_dict(), manager=manager)
+        manager = _sync_lora(pipe, native, _lora_update(actor, iteration), lora.to_dict(), on, manager)
     return {"algorithm": "flow_grpo", "actor_class": f"{actor_cls.__module__}.{actor_cls.__qualname__}",
             "rollout_class": f"{rollout_cls.__module__}.{rollout_cls.__qualname__}", "iterations": iterations}
 
@@ -306,8 +313,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     vllm_omni_env.ensure_runtime()
     on = args.flowlock == "on"
-    import os
-
     from flowlock.integrations.vllm_omni import plugin
 
     os.environ[plugin.SWITCH_ENV] = "strict" if on else "off"
