@@ -4,7 +4,9 @@ Runs, in one process: accuracy of forward and gradients against the FP64 golden 
 (budget from SDPA's own error), bitwise repeatability of flowlock's backward, batch invariance and
 row purity, repeatability of cuDNN's backward, then timings at B=1, heads=56, D=128: flowlock vs
 SDPA cuDNN / flash / efficient, forward and backward, alternating order, CUDA events, median after
-warm-up. TFLOP/s use 4*S^2*D*heads for the forward and 2.5x that for the backward. ``host``
+warm-up, at S = 925 / 4253 / 16384 / 32768 by default; each flowlock row has its time over cuDNN's and
+flash's (queued) and every row its share of the GPU's dense bf16 peak. TFLOP/s use 4*S^2*D*heads for
+the forward and 2.5x that for the backward. ``host``
 measures the host time of one public call and the amortized forward. ``--sweep S[,S]`` also times
 candidate launch configs (tiles, warps, stages, TMA or pointer loads) at those sequence lengths,
 compiling them first in worker processes and writing each result as it lands; ``--sections``
@@ -160,6 +162,16 @@ def alternating_medians(fns: dict, iters: int, warmup: int, queued: bool = False
     return {n: statistics.median(samples[n]) for n in names}
 
 
+# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device name: the SXM H100 and the H200 share it.
+DENSE_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
+
+
+def dense_peak_tflops() -> float | None:
+    """The dense bf16 peak of this GPU, or None for a GPU not in :data:`DENSE_PEAK_TFLOPS`."""
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in DENSE_PEAK_TFLOPS.items() if key in name), None)
+
+
 def time_seq(impls: dict, seq: int, heads: int, dim: int, iters: int, warmup: int) -> list[dict]:
     """Per phase and implementation: the median of single calls from an idle device (``median_ms``)
     and queued behind a GPU spin (``median_ms_queued``, the throughput measure), each with
@@ -175,13 +187,19 @@ def time_seq(impls: dict, seq: int, heads: int, dim: int, iters: int, warmup: in
         queued = alternating_medians(fns, iters, 1, queued=True)
         best = min((n for n in idle if n != "flowlock"), key=idle.get)
         best_queued = min((n for n in queued if n != "flowlock"), key=queued.get)
+        peak = dense_peak_tflops()
         for n in fns:
             row = {"seq": seq, "phase": phase, "impl": n, "median_ms": idle[n], "tflops": flops / idle[n] / 1e9,
                    "median_ms_queued": queued[n], "tflops_queued": flops / queued[n] / 1e9, "samples": iters}
+            if peak:
+                row["share_of_dense_peak_queued"] = row["tflops_queued"] / peak
             if n == "flowlock":
                 row.update(fastest_sdpa=best, fraction_of_fastest_sdpa=idle[best] / idle[n],
                            fastest_sdpa_queued=best_queued,
                            fraction_of_fastest_sdpa_queued=queued[best_queued] / queued[n])
+                # time ratios (below 1: flowlock faster), queued: the throughput a training step sees
+                row.update({f"time_over_{b}_queued": queued[n] / queued[b] for b in ("sdpa_cudnn", "sdpa_flash")
+                            if b in queued})
             rows.append(row)
     return rows
 
@@ -205,10 +223,12 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
 SWEEP_CANDIDATES = {
     "fwd": [(128, 128, 8, 3, 1, 0), (128, 128, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0), (128, 64, 4, 3, 1, 0),
             (128, 128, 8, 2, 1, 0), (128, 128, 8, 4, 1, 0)],
-    "dkdv": [(64, 128, 8, 3, 1, 1), (64, 64, 8, 3, 1, 1, 1), (64, 128, 8, 2, 1, 1, 1), (64, 64, 8, 4, 1, 1, 1),
-             (64, 64, 8, 2, 1, 1, 1), (64, 64, 8, 3, 1, 0, 1), (64, 128, 8, 3, 1, 1, 1), (64, 64, 8, 3, 0, 1, 1),
-             (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 1), (32, 128, 8, 4, 1, 0),
-             (32, 128, 8, 4, 1, 1), (32, 128, 8, 2, 1, 0), (64, 128, 8, 3, 0, 0), (128, 128, 8, 3, 1, 0)],
+    "dkdv": [(64, 128, 8, 3, 1, 1), (64, 128, 8, 3, 1, 1, 1), (64, 128, 8, 3, 1, 1, 2), (64, 64, 8, 3, 1, 1, 1),
+             (64, 64, 8, 3, 1, 1, 2), (64, 128, 8, 2, 1, 1, 2), (64, 64, 4, 2, 1, 1, 2), (64, 64, 4, 3, 1, 1, 2),
+             (64, 64, 8, 2, 1, 1, 2), (128, 128, 8, 2, 1, 1, 2), (64, 128, 8, 2, 1, 1, 1), (64, 64, 8, 4, 1, 1, 1),
+             (64, 64, 8, 3, 1, 0, 1), (64, 64, 8, 3, 0, 1, 1), (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0),
+             (32, 128, 8, 3, 1, 1), (32, 128, 8, 4, 1, 0), (32, 128, 8, 4, 1, 1), (32, 128, 8, 2, 1, 0),
+             (64, 128, 8, 3, 0, 0), (128, 128, 8, 3, 1, 0)],
     "dq": [(128, 64, 8, 4, 1, 0), (128, 64, 8, 4, 1, 1), (128, 64, 8, 3, 1, 1), (128, 64, 8, 3, 1, 0),
            (128, 64, 8, 2, 1, 1), (64, 64, 4, 3, 1, 1), (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 0, 0),
            (128, 128, 8, 3, 1, 0)],
@@ -332,7 +352,7 @@ def sweep(seq: int, heads: int, dim: int, windows: int, calls: int, budget_s: fl
     case = SweepCase(seq, heads, dim)
     for kernel, cand in sweep_order(kernels):
         row = {"seq": seq, "kernel": kernel, "cfg": list(cand[:4]), "tma": bool(cand[4]), "dp_first": bool(cand[5]),
-               "fused_dq": bool(candidate(cand)[6])}
+               "fused_dq": candidate(cand)[6]}
         if time.time() - t0 > budget_s:
             record({**row, "skipped": f"sweep budget of {budget_s:.0f} s spent"})
             continue
@@ -418,10 +438,10 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
         if kernel != "fwd":
             consts["DP_FIRST"] = bool(dp_first)
         if kernel == "dkdv":
-            consts["FUSED_DQ"] = bool(fused_dq)
+            consts["FUSED_DQ"] = fused_dq
         sig.update(dict.fromkeys(consts, "constexpr"))
         row = {"kernel": kernel, "cfg": [bm, bn, warps, stages], "tma": bool(tma), "dp_first": bool(dp_first),
-               "fused_dq": bool(fused_dq)}
+               "fused_dq": fused_dq}
         try:
             compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, hints),
                                       target=GPUTarget("cuda", capability, 128),
@@ -440,14 +460,54 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
     return rows
 
 
-SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings")
+def one_pass(seqs, heads: int, dim: int, iters: int) -> list[dict]:
+    """The backward with the one-pass Gluon kernel (``ONE_PASS=1`` in the dK/dV config) against the
+    frozen separate kernels, the separate kernels with dQ folded per 128-row KV block (the one-pass
+    kernel's bits, checked), and cuDNN's backward; queued medians, alternating order."""
+    from flowlock.config import launch_config
+    from flowlock.keys import device_arch
+    from flowlock.ops.attention.triton import attention_bwd, attention_fwd
+
+    arch = device_arch(torch.cuda.current_device())
+    dkdv = launch_config("attention_bwd_dkdv", torch.bfloat16, arch, (dim,))
+    dq = launch_config("attention_bwd_dq", torch.bfloat16, arch, (dim,))
+    rows = []
+    for seq in seqs:
+        q, k, v, do = inputs(1, seq, heads, dim, seed=seq)
+        scale = dim ** -0.5
+        with torch.no_grad():
+            out, lse2 = attention_fwd(q, k, v, scale)
+        cudnn_out = sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v)
+        fns = {
+            "frozen": lambda: attention_bwd(do, q, k, v, out, lse2, scale),
+            "separate_fold": lambda: attention_bwd(do, q, k, v, out, lse2, scale,
+                                                   dq_config=dq.with_blocks(BLOCK_N=128, DQ_FOLD=1)),
+            "one_pass": lambda: attention_bwd(do, q, k, v, out, lse2, scale, dkdv_config=dkdv.with_blocks(ONE_PASS=1)),
+            "sdpa_cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
+        }
+        same = bitwise(fns["one_pass"](), fns["separate_fold"]())
+        ms = alternating_medians(fns, iters, 2, queued=True)
+        work = 2.5 * 4.0 * seq * seq * dim * heads
+        row = {"seq": seq, "one_pass_bits_equal_separate_fold": same,
+               **{f"{n}_ms": t for n, t in ms.items()}, **{f"{n}_tflops": work / t / 1e9 for n, t in ms.items()},
+               "one_pass_over_frozen": ms["one_pass"] / ms["frozen"],
+               "one_pass_over_cudnn": ms["one_pass"] / ms["sdpa_cudnn"],
+               "frozen_over_cudnn": ms["frozen"] / ms["sdpa_cudnn"]}
+        print("one_pass", json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v, do, out, lse2, cudnn_out
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "one_pass")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON output path (rewritten after every result)")
     parser.add_argument("--skip-gate", action="store_true", help="skip the CPU test gate")
-    parser.add_argument("--seqs", default="4096,16384,32768")
+    parser.add_argument("--seqs", default="925,4253,16384,32768")
     parser.add_argument("--heads", type=int, default=56)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
@@ -459,7 +519,7 @@ def main() -> None:
     parser.add_argument("--sweep-kernels", default=",".join(SWEEP_CANDIDATES),
                         help=f"comma-separated subset of {tuple(SWEEP_CANDIDATES)} to sweep")
     parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
-    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "sweep"),
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in ("sweep", "one_pass")),
                         help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
     parser.add_argument("--compile-check", action="store_true",
                         help="only compile the sweep candidates for sm90 offline (no GPU) and report their resources")
@@ -524,6 +584,7 @@ def main() -> None:
         "host": lambda: [host_overhead(attention, s, args.heads, args.dim) for s in (4096,)],
         "sweep": run_sweep,
         "timings": lambda: timings(attention, seqs, args.heads, args.dim, args.iters, args.warmup),
+        "one_pass": lambda: one_pass(seqs, args.heads, args.dim, args.iters),
     }
     for name in SECTIONS:
         if name not in wanted:
