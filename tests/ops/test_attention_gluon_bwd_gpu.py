@@ -7,6 +7,8 @@ a fused qkv projection, bf16 and fp16; repeated launches agree, and a sample alo
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gluon_bwd_gpu.py
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,6 +41,8 @@ def _operands(batch, seq, dtype, fused, heads=HEADS):
 def _triton_fold(q, k, v, dout, out, lse2):
     """The separate Triton kernels with dQ folded per 128-row KV block."""
     dq_cfg = launch_config("attention_bwd_dq", q.dtype, "sm90", (128,)).with_blocks(BLOCK_N=128, DQ_FOLD=1)
+    # two stages: four of 128 x 128 K / V tiles beside the 128-row Q / dO exceed shared memory
+    dq_cfg = dataclasses.replace(dq_cfg, num_stages=2)
     return at.attention_bwd(dout, q, k, v, out, lse2, SCALE, dq_config=dq_cfg)
 
 
