@@ -467,40 +467,42 @@ def one_pass(seqs, heads: int, dim: int, iters: int) -> list[dict]:
     kernel's bits, checked), and cuDNN's backward; queued medians, alternating order."""
     from flowlock.config import launch_config
     from flowlock.keys import device_arch
-    from flowlock.ops.attention.triton import attention_bwd, attention_fwd
 
     arch = device_arch(torch.cuda.current_device())
-    dkdv = launch_config("attention_bwd_dkdv", torch.bfloat16, arch, (dim,))
-    dq = launch_config("attention_bwd_dq", torch.bfloat16, arch, (dim,))
+    one_pass_dkdv = launch_config("attention_bwd_dkdv", torch.bfloat16, arch, (dim,)).with_blocks(ONE_PASS=1)
     # two stages: four of 128 x 128 K / V tiles beside the 128-row Q / dO exceed shared memory
-    fold_dq = dataclasses.replace(dq.with_blocks(BLOCK_N=128, DQ_FOLD=1), num_stages=2)
+    fold_dq = dataclasses.replace(launch_config("attention_bwd_dq", torch.bfloat16, arch, (dim,))
+                                  .with_blocks(BLOCK_N=128, DQ_FOLD=1), num_stages=2)
     rows = []
     for seq in seqs:
-        q, k, v, do = inputs(1, seq, heads, dim, seed=seq)
-        scale = dim ** -0.5
-        with torch.no_grad():
-            out, lse2 = attention_fwd(q, k, v, scale)
-        cudnn_out = sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v)
-        fns = {
-            "frozen": lambda: attention_bwd(do, q, k, v, out, lse2, scale),
-            "separate_fold": lambda: attention_bwd(do, q, k, v, out, lse2, scale,
-                                                   dq_config=fold_dq),
-            "one_pass": lambda: attention_bwd(do, q, k, v, out, lse2, scale, dkdv_config=dkdv.with_blocks(ONE_PASS=1)),
-            "sdpa_cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
-        }
-        same = bitwise(fns["one_pass"](), fns["separate_fold"]())
-        ms = alternating_medians(fns, iters, 2, queued=True)
-        work = 2.5 * 4.0 * seq * seq * dim * heads
-        row = {"seq": seq, "one_pass_bits_equal_separate_fold": same,
-               **{f"{n}_ms": t for n, t in ms.items()}, **{f"{n}_tflops": work / t / 1e9 for n, t in ms.items()},
-               "one_pass_over_frozen": ms["one_pass"] / ms["frozen"],
-               "one_pass_over_cudnn": ms["one_pass"] / ms["sdpa_cudnn"],
-               "frozen_over_cudnn": ms["frozen"] / ms["sdpa_cudnn"]}
-        print("one_pass", json.dumps(row), flush=True)
-        rows.append(row)
-        del q, k, v, do, out, lse2, cudnn_out
+        rows.append(_one_pass_row(seq, heads, dim, iters, one_pass_dkdv, fold_dq))
+        print("one_pass", json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     return rows
+
+
+def _one_pass_row(seq: int, heads: int, dim: int, iters: int, one_pass_dkdv, fold_dq) -> dict:
+    from flowlock.ops.attention.triton import attention_bwd, attention_fwd
+
+    q, k, v, do = inputs(1, seq, heads, dim, seed=seq)
+    scale = dim ** -0.5
+    with torch.no_grad():
+        out, lse2 = attention_fwd(q, k, v, scale)
+    cudnn_out = sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v)
+    fns = {
+        "frozen": lambda: attention_bwd(do, q, k, v, out, lse2, scale),
+        "separate_fold": lambda: attention_bwd(do, q, k, v, out, lse2, scale, dq_config=fold_dq),
+        "one_pass": lambda: attention_bwd(do, q, k, v, out, lse2, scale, dkdv_config=one_pass_dkdv),
+        "sdpa_cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
+    }
+    same = bitwise(fns["one_pass"](), fns["separate_fold"]())
+    ms = alternating_medians(fns, iters, 2, queued=True)
+    work = 2.5 * 4.0 * seq * seq * dim * heads
+    return {"seq": seq, "one_pass_bits_equal_separate_fold": same,
+            **{f"{n}_ms": t for n, t in ms.items()}, **{f"{n}_tflops": work / t / 1e9 for n, t in ms.items()},
+            "one_pass_over_frozen": ms["one_pass"] / ms["frozen"],
+            "one_pass_over_cudnn": ms["one_pass"] / ms["sdpa_cudnn"],
+            "frozen_over_cudnn": ms["frozen"] / ms["sdpa_cudnn"]}
 
 
 SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "one_pass")

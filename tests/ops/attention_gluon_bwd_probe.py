@@ -4,16 +4,10 @@ shared memory, ptxas's registers and spill bytes, and the register counts its pa
 test_attention_gluon_bwd_compiled.py in a subprocess with the interpreter off."""
 
 import json
-import os
-import pathlib
 import re
-import subprocess
-import tempfile
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental import gluon
+from compile_probe import compile_gluon_sm90
 from triton.runtime.jit import mangle_type
 
 from flowlock.ops.attention import gluon_bwd as gb
@@ -34,19 +28,7 @@ def main() -> None:
                   RING=gb.RING, COMPUTE_REGS=gb.COMPUTE_REGS, AGENT_REGS=gb.AGENT_REGS,
                   num_warps=gb.COMPUTE_WARPS)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    kernel = gb._attention_bwd_one_pass_kernel
-    kernel = getattr(kernel, "kernel", kernel)
-    compiled = triton.compile(gluon._runtime.GluonASTSource(kernel, sig, consts, {}),
-                              target=GPUTarget("cuda", 90, 128), options={"num_warps": gb.COMPUTE_WARPS})
-    ptx = compiled.asm["ptx"]
-    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        pathlib.Path(src).write_text(ptx)
-        info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
-                              capture_output=True, text=True, check=True).stderr
-    if os.environ.get("PROBE_PTX"):
-        pathlib.Path(os.environ["PROBE_PTX"]).write_text(ptx)
+    compiled, ptx, info = compile_gluon_sm90(gb._attention_bwd_one_pass_kernel.kernel, sig, consts, gb.COMPUTE_WARPS)
     registers = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx))))
     print(json.dumps({"wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.\w+\.\w+", ptx))),
                       "shared_bytes": compiled.metadata.shared,

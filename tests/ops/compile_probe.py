@@ -17,3 +17,25 @@ def run_compile_probe(name: str, timeout: int = 900) -> dict:
     run = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def compile_gluon_sm90(kernel, sig: dict, consts: dict, num_warps: int):
+    """``(compiled, ptx, ptxas_info)`` of Gluon ``kernel`` (the ``@gluon.jit`` function) for sm90 with
+    ``sig`` (argument types, constexprs included) and ``consts``; ``ptxas_info`` is the bundled
+    ptxas's ``-v`` report for sm_90a (registers, spills). Needs ``TRITON_INTERPRET`` unset."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+
+    compiled = triton.compile(gluon._runtime.GluonASTSource(kernel, sig, consts, {}),
+                              target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+    ptx = compiled.asm["ptx"]
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        pathlib.Path(src).write_text(ptx)
+        info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
+                              capture_output=True, text=True, check=True).stderr
+    return compiled, ptx, info

@@ -5,16 +5,10 @@ head's release, the tail's acquire spin). Run by test_linear_gluon_stream_compil
 with the interpreter off."""
 
 import json
-import os
-import pathlib
 import re
-import subprocess
-import tempfile
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental import gluon
+from compile_probe import compile_gluon_sm90
 from triton.runtime.jit import mangle_type
 
 from flowlock.config import launch_config
@@ -33,15 +27,7 @@ def main() -> None:
     consts = dict(HAS_BIAS=True, BLOCK_I=cfg["BLOCK_I"], BLOCK_J=cfg["BLOCK_J"], BLOCK_R=cfg["BLOCK_R"],
                   RING=cfg["RING"], LOADER_WARPS=gs.LOADER_WARPS, LOADER_REGS=gs.LOADER_REGS, num_warps=cfg.num_warps)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    compiled = triton.compile(gluon._runtime.GluonASTSource(gs._linear_fwd_stream_kernel.kernel, sig, consts, {}),
-                              target=GPUTarget("cuda", 90, 128), options={"num_warps": cfg.num_warps})
-    ptx = compiled.asm["ptx"]
-    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        pathlib.Path(src).write_text(ptx)
-        info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
-                              capture_output=True, text=True, check=True).stderr
+    compiled, ptx, info = compile_gluon_sm90(gs._linear_fwd_stream_kernel.kernel, sig, consts, cfg.num_warps)
     print(json.dumps({"wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.bf16\.bf16", ptx))),
                       "shared_bytes": compiled.metadata.shared, "config_shared_bytes": lg.shared_bytes(cfg),
                       "registers": int(re.search(r"Used (\d+) registers", info).group(1)),

@@ -120,7 +120,8 @@ def _finish(acc_desc, acc_bufs, acc_done, turns, row0, kv_block, last_kv, m, BLO
     mbarrier.wait(acc_done.index(slot), (m // 2) & 1)
     if kv_block != last_kv:
         for c in gl.static_range(CHUNKS):
-            tma.async_copy_shared_to_global(acc_desc, [row0 + m * BLOCK_M, c * CHUNK], acc_bufs.index(slot * CHUNKS + c))
+            tma.async_copy_shared_to_global(acc_desc, [row0 + m * BLOCK_M, c * CHUNK],
+                                            acc_bufs.index(slot * CHUNKS + c))
         _pass_turn(turns + m, kv_block + 1)
 
 

@@ -301,9 +301,9 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, dQ, DQAcc, Tu
 
     ``FUSED_DQ``: the program also adds its ``dS @ K`` to each query block's dQ, in turn (see
     :func:`_dq_turn`), on a 1-D grid whose programs take (KV block, sample * heads) from the ticket
-    ``Turns[0]``, the ``heads_total`` (sample * heads) index fastest; ``Turns[1:]`` holds one turn counter per (sample * heads, query block) and
-    ``DQAcc`` the fp32 dQ rows, all zero at launch. Otherwise ``dQ``, ``DQAcc`` and ``Turns`` are
-    unused and the grid is (KV blocks, sample * heads)."""
+    ``Turns[0]``, the ``heads_total`` (sample * heads) index fastest; ``Turns[1:]`` holds one turn
+    counter per (sample * heads, query block) and ``DQAcc`` the fp32 dQ rows, all zero at launch.
+    Otherwise ``dQ``, ``DQAcc`` and ``Turns`` are unused and the grid is (KV blocks, sample * heads)."""
     if FUSED_DQ:
         ticket = take_ticket(Turns)
         # heads fastest: the programs running at once cover every head's first KV blocks, so a
