@@ -20,10 +20,11 @@ def main() -> None:
     acc = torch.empty(56 * 67 * gb.BLOCK_M, gb.HEAD_DIM)
     acc_desc = gb.TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [gb.BLOCK_M, gb.CHUNK],
                                    gb.gl.NVMMASharedLayout.get_default_for([gb.BLOCK_M, gb.CHUNK], gb.gl.float32))
-    sig = dict(zip(("q_desc", "k_desc", "v_desc", "do_desc", "acc_desc"), map(mangle_type, descs + (acc_desc,))))
-    sig.update(Lse2="*fp32", Delta="*fp32", dQ="*bf16", dK="*bf16", dV="*bf16", Turns="*i32",
-               seq="i32", heads="i32", heads_total="i32", kv_blocks="i32", qk_scale="fp32", sm_scale="fp32",
-               stride_gb="i32", stride_gs="i32", stride_gh="i32")
+    names = ("q_desc", "k_desc", "v_desc", "do_desc", "acc_desc")
+    sig = dict(zip(names, map(mangle_type, descs + (acc_desc,))))
+    sig.update(Lse2="*fp32", Delta="*fp32", dK="*bf16", dV="*bf16", Turns="*i32",
+               seq="i32", heads="i32", heads_total="i32", kv_blocks="i32", head_group="i32", qk_scale="fp32",
+               sm_scale="fp32", stride_gb="i32", stride_gs="i32", stride_gh="i32")
     consts = dict(BLOCK_M=gb.BLOCK_M, BLOCK_N=gb.BLOCK_N, D=gb.HEAD_DIM, HALF_N=gb.HALF_N, CHUNK=gb.CHUNK,
                   RING=gb.RING, COMPUTE_REGS=gb.COMPUTE_REGS, AGENT_REGS=gb.AGENT_REGS,
                   num_warps=gb.COMPUTE_WARPS)
@@ -35,8 +36,10 @@ def main() -> None:
                       "spill_bytes": sum(map(int, re.findall(r"(\d+) bytes spill", info))),
                       "setmaxnreg": registers,
                       "turn_acquire": "ld.acquire.gpu.global.b32" in ptx,
-                      "turn_release_after_store_completion": bool(re.search(
-                          r"cp\.async\.bulk\.wait_group 0;[^\n]*fence\.acq_rel\.gpu;[^\n]*st\.relaxed\.gpu", ptx))}))
+                      "fold_adds": sorted(set(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.[\w:.]+", ptx))),
+                      "turn_release_after_completion": bool(re.search(
+                          r"cp\.async\.bulk\.wait_group 0;[^\n]*fence\.acq_rel\.gpu;[^\n]*st\.relaxed\.gpu", ptx)),
+                      "registers": sorted(set(map(int, re.findall(r"Used (\d+) registers", info))))}))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def _triton_fold(q, k, v, dout, out, lse2):
 
 def _one_pass(q, k, v, dout, out, lse2):
     """``attention_bwd`` with the one-pass kernel switched on in the dK/dV config (same delta kernel)."""
-    dkdv_cfg = launch_config("attention_bwd_dkdv", q.dtype, "sm90", (128,)).with_blocks(ONE_PASS=1)
+    dkdv_cfg = launch_config("attention_bwd_dkdv", q.dtype, "sm90", (128,)).with_blocks(ONE_PASS=8)
     return at.attention_bwd(dout, q, k, v, out, lse2, SCALE, dkdv_config=dkdv_cfg)
 
 

@@ -49,9 +49,10 @@ order (one fp32 addition per block), instead of one chain of products over all K
 program that owns one KV block and adds its term in turn can reproduce. Under the interpreter both
 orders are the same (its products are always summed from zero and then added).
 
-``ONE_PASS=1`` in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper, D = 128,
-bf16 / fp16, every operand TMA-eligible): dK and dV with this module's dK/dV bits, dQ with the dQ
-kernel's ``DQ_FOLD=1`` bits on 128-row KV blocks, from one pass. Operands it does not serve run the
+``ONE_PASS=G`` (G > 0) in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper,
+D = 128, bf16 / fp16, every operand TMA-eligible), its programs ticketed in groups of G heads: dK and
+dV with this module's dK/dV bits, dQ with the dQ kernel's ``DQ_FOLD=1`` bits on 128-row KV blocks
+(its fold's additions flush subnormals), from one pass. Operands it does not serve run the
 separate kernels under the dQ config given.
 """
 
@@ -428,7 +429,7 @@ class _Tiles(NamedTuple):
     dp_first: bool
     fused_dq: int
     dq_fold: bool
-    one_pass: bool
+    one_pass: int
 
 
 def _tiles(cfg: LaunchConfig) -> _Tiles:
@@ -438,7 +439,7 @@ def _tiles(cfg: LaunchConfig) -> _Tiles:
     blocks = dict(cfg.blocks)
     return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
                   bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), blocks.get("FUSED_DQ", 0),
-                  bool(blocks.get("DQ_FOLD", 0)), bool(blocks.get("ONE_PASS", 0)))
+                  bool(blocks.get("DQ_FOLD", 0)), blocks.get("ONE_PASS", 0))
 
 
 class _Frozen(NamedTuple):
@@ -530,7 +531,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         num_warps=frozen.delta.num_warps, num_stages=frozen.delta.num_stages,
     )
     if dkdv_t.one_pass and eligible and gluon_bwd.applies(q):
-        return gluon_bwd.attention_bwd_one_pass(q, k, v, dout, lse2, delta, scale)
+        return gluon_bwd.attention_bwd_one_pass(q, k, v, dout, lse2, delta, scale, dkdv_t.one_pass)
     dq = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
