@@ -107,7 +107,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv
 
 @gluon.jit
 def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_q,
-            BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr):
+            BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, DIAG: gl.constexpr):
     """Per query block ``m``: once the warpgroups have left the block's term in slot ``m % 2``, KV block 0
     stores it as the fp32 dQ rows; a later KV block waits for its turn (every earlier KV block's term
     added) and adds its term by TMA reduction. The slot is handed back once read, the turn once the
@@ -117,10 +117,12 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
         mbarrier.wait(term_full.index(slot), (m // 2) & 1)
         buf = term_bufs.index(slot)
         if kv_block > 0:
-            _take_turn(turns + m, kv_block)
-            for c in gl.static_range(CHUNKS):
-                _tma_reduce_add(acc_desc, [row0 + m * BLOCK_M, c * CHUNK], buf.slice(c * CHUNK, CHUNK, dim=1))
-        else:
+            if DIAG != 3:
+                _take_turn(turns + m, kv_block)
+            if DIAG == 0 or DIAG == 3:
+                for c in gl.static_range(CHUNKS):
+                    _tma_reduce_add(acc_desc, [row0 + m * BLOCK_M, c * CHUNK], buf.slice(c * CHUNK, CHUNK, dim=1))
+        elif DIAG == 0 or DIAG == 3:
             for c in gl.static_range(CHUNKS):
                 tma.async_copy_shared_to_global(acc_desc, [row0 + m * BLOCK_M, c * CHUNK],
                                                 buf.slice(c * CHUNK, CHUNK, dim=1))
@@ -134,7 +136,8 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, read
              term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
              qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-             HALF_N: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr):
+             HALF_N: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr,
+             EARLY_TERM: gl.constexpr):
     """KV rows ``start_n + WG * HALF_N ..``: their dK and dV, and their dQ term per query block, from zero
     (``dS`` of these rows ``@ K`` of these rows). Warpgroup 0 leaves its term in the slot, warpgroup 1
     adds its own to it and hands the slot to the fold warp. Rows all past the sequence end compute
@@ -186,25 +189,48 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, read
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
         ds_smem.store(dst)
         fence_async_shared()
-        # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(s))
         buf = term_bufs.index(slot)
+        if not EARLY_TERM:
+            # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(s))
         if WG == 0:
             # the slot's previous term has been read by the fold warp (fresh barrier: parity 1 passes)
             mbarrier.wait(term_free.index(slot), ((m // 2) & 1) ^ 1)
-            term = warpgroup_mma(ds_smem.permute((1, 0)), k_wg, zero_dq, use_acc=False, is_async=True)
-            term = warpgroup_mma_wait(0, deps=(term,))
-            buf.store(term)
-            fence_async_shared()
+            if DIAG != 2:
+                term = warpgroup_mma(ds_smem.permute((1, 0)), k_wg, zero_dq, use_acc=False, is_async=True)
+                if EARLY_TERM:
+                    dv, dk, term = warpgroup_mma_wait(0, deps=(dv, dk, term))
+                    mbarrier.arrive(empty.index(s))
+                else:
+                    term = warpgroup_mma_wait(0, deps=(term,))
+                if DIAG == 0 or DIAG == 3:
+                    buf.store(term)
+                    fence_async_shared()
+            elif EARLY_TERM:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(empty.index(s))
             mbarrier.arrive(half_full.index(slot))
         else:
             # the chain goes on from warpgroup 0's 64 rows: one term over all 128 KV rows, from zero
             mbarrier.wait(half_full.index(slot), (m // 2) & 1)
-            term = warpgroup_mma(ds_smem.permute((1, 0)), k_wg, buf.load(kv_layout), is_async=True)
-            term = warpgroup_mma_wait(0, deps=(term,))
-            buf.store(term + fold_start)
-            fence_async_shared()
+            if DIAG != 2:
+                if DIAG == 0 or DIAG == 3:
+                    acc = buf.load(kv_layout)
+                else:
+                    acc = zero_dq
+                term = warpgroup_mma(ds_smem.permute((1, 0)), k_wg, acc, is_async=True)
+                if EARLY_TERM:
+                    dv, dk, term = warpgroup_mma_wait(0, deps=(dv, dk, term))
+                    mbarrier.arrive(empty.index(s))
+                else:
+                    term = warpgroup_mma_wait(0, deps=(term,))
+                if DIAG == 0 or DIAG == 3:
+                    buf.store(term + fold_start)
+                    fence_async_shared()
+            elif EARLY_TERM:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                mbarrier.arrive(empty.index(s))
             mbarrier.arrive(term_full.index(slot))
 
     rows = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
@@ -221,10 +247,11 @@ def _compute_second(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_read
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HALF_N: gl.constexpr,
-                    RING: gl.constexpr, WARPS: gl.constexpr):
+                    RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr, EARLY_TERM: gl.constexpr):
     _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, ready, empty, half_full, term_full,
              term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
-             qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 1, BLOCK_M, BLOCK_N, D, HALF_N, RING, WARPS)
+             qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 1, BLOCK_M, BLOCK_N, D, HALF_N, RING, WARPS, DIAG,
+             EARLY_TERM)
 
 
 @fast_launch
@@ -234,7 +261,8 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
                                    stride_gb, stride_gs, stride_gh,
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                                    HALF_N: gl.constexpr, CHUNK: gl.constexpr, RING: gl.constexpr,
-                                   COMPUTE_REGS: gl.constexpr, AGENT_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                   COMPUTE_REGS: gl.constexpr, AGENT_REGS: gl.constexpr, DIAG: gl.constexpr,
+                                   EARLY_TERM: gl.constexpr, num_warps: gl.constexpr):
     """One program per (KV block, sample * head) from the ticket ``Turns[0]``; ``Turns[1:]`` holds one
     turn counter per (sample * head, query block), zero at launch. ``acc_desc`` covers the fp32 dQ rows
     ``(sample * head * query blocks * BLOCK_M, D)`` in ``[BLOCK_M, CHUNK]`` boxes; they need no
@@ -278,15 +306,15 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
         (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs.index(0), term_bufs, kv_ready, ready, empty, half_full,
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING,
-                    num_warps)),
+                    num_warps, DIAG, EARLY_TERM)),
         (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs.index(1), term_bufs, kv_ready, ready, empty,
                            half_full, term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q,
                            pid_n, qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N,
-                           RING, num_warps)),
+                           RING, num_warps, DIAG, EARLY_TERM)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
                    b, h * D, start_n, n_q, BLOCK_M, RING)),
         (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
-                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS)),
+                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG)),
     ], [num_warps, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS])
 
 
@@ -319,7 +347,8 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                            lse2: torch.Tensor, delta: torch.Tensor,
-                           scale: float, head_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           scale: float, head_group: int, diag: int = 0,
+                           early_term: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (contiguous, like ``q``) for TMA-eligible bf16 / fp16 ``(B, S, heads, 128)``
     operands. Trusted inputs (:func:`flowlock.ops.attention.triton.attention_bwd` validated them).
     Programs take tickets in groups of ``head_group`` heads (sample * head), a group's KV blocks in
@@ -342,7 +371,7 @@ def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
         acc_desc, lse2, delta, dk, dv, turns, seq, heads, bh, kv_blocks, head_group, scale * LOG2E, scale,
         *dq.stride()[:3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=HEAD_DIM, HALF_N=HALF_N, CHUNK=CHUNK, RING=RING,
-        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, num_warps=COMPUTE_WARPS)
+        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag, EARLY_TERM=early_term, num_warps=COMPUTE_WARPS)
     _dq_from_acc_kernel[(n_q, bh)](acc, dq, seq, heads, n_q * BLOCK_M, scale, *dq.stride()[:3],
                                    BLOCK=BLOCK_M, D=dim, num_warps=4)
     return dq, dk, dv
