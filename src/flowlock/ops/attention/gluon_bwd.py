@@ -132,26 +132,30 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
 
 
 @gluon.jit
-def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, ready, empty, half_full, term_full,
+def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready, term_full,
              term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
              qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-             HALF_N: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr,
-             EARLY_TERM: gl.constexpr):
-    """KV rows ``start_n + WG * HALF_N ..``: their dK and dV, and their dQ term per query block, from zero
-    (``dS`` of these rows ``@ K`` of these rows). Warpgroup 0 leaves its term in the slot, warpgroup 1
-    adds its own to it and hands the slot to the fold warp. Rows all past the sequence end compute
-    nothing: warpgroup 1 then hands on warpgroup 0's term alone."""
+             HALF_N: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr):
+    """KV rows ``start_n + WG * HALF_N ..``: their dK, dV and dS; and columns ``WG * D / 2 ..`` of the dQ
+    term per query block: one chain over all 128 KV rows from zero, ``dS`` of warpgroup 0's rows ``@ K``
+    of those rows, then warpgroup 1's, once both have left their ``dS`` in shared memory."""
     dtype: gl.constexpr = q_bufs.dtype
+    HALF_D: gl.constexpr = D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, HALF_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
 
     mbarrier.wait(kv_ready, 0)
-    k_wg = k_smem.reshape([BLOCK_N, D]).slice(WG * HALF_N, HALF_N, dim=0)
+    k_all = k_smem.reshape([BLOCK_N, D])
+    k_wg = k_all.slice(WG * HALF_N, HALF_N, dim=0)
     v_wg = v_smem.reshape([BLOCK_N, D]).slice(WG * HALF_N, HALF_N, dim=0)
+    k_cols0 = k_all.slice(0, HALF_N, dim=0).slice(WG * HALF_D, HALF_D, dim=1)
+    k_cols1 = k_all.slice(HALF_N, HALF_N, dim=0).slice(WG * HALF_D, HALF_D, dim=1)
     kv_rows = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     kv_ok = gl.expand_dims(kv_rows < seq, 1)
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -161,12 +165,13 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, read
     # KV block 0 starts the fold from zero (0 + term turns a -0 term into +0); adding -0 changes nothing
     fold_start = gl.where(kv_block == 0, 0.0, -0.0)
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
-    zero_dq = gl.zeros([BLOCK_M, D], gl.float32, layout=kv_layout)
+    zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=kv_layout)
     for m in range(n_q):
         s = m % RING
         slot = m % 2
+        phase = (m // 2) & 1
         start_m = m * BLOCK_M
         # one value a thread, then spread to the columns of the S^T tile (a per-column load would hold
         # a 64-bit address for each of a thread's columns); +inf makes P exactly 0 on query rows past
@@ -187,51 +192,24 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, read
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-        ds_smem.store(dst)
+        # dS of slot m % 2: the other warpgroup read this slot's previous dS before arriving at m - 1
+        ds_bufs.index(2 * slot + WG).store(dst)
         fence_async_shared()
-        buf = term_bufs.index(slot)
-        if not EARLY_TERM:
-            # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(s))
-        if WG == 0:
-            # the slot's previous term has been read by the fold warp (fresh barrier: parity 1 passes)
-            mbarrier.wait(term_free.index(slot), ((m // 2) & 1) ^ 1)
-            if DIAG != 2:
-                term = warpgroup_mma(ds_smem.permute((1, 0)), k_wg, zero_dq, use_acc=False, is_async=True)
-                if EARLY_TERM:
-                    dv, dk, term = warpgroup_mma_wait(0, deps=(dv, dk, term))
-                    mbarrier.arrive(empty.index(s))
-                else:
-                    term = warpgroup_mma_wait(0, deps=(term,))
-                if DIAG == 0 or DIAG == 3:
-                    buf.store(term)
-                    fence_async_shared()
-            elif EARLY_TERM:
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(empty.index(s))
-            mbarrier.arrive(half_full.index(slot))
-        else:
-            # the chain goes on from warpgroup 0's 64 rows: one term over all 128 KV rows, from zero
-            mbarrier.wait(half_full.index(slot), (m // 2) & 1)
-            if DIAG != 2:
-                if DIAG == 0 or DIAG == 3:
-                    acc = buf.load(kv_layout)
-                else:
-                    acc = zero_dq
-                term = warpgroup_mma(ds_smem.permute((1, 0)), k_wg, acc, is_async=True)
-                if EARLY_TERM:
-                    dv, dk, term = warpgroup_mma_wait(0, deps=(dv, dk, term))
-                    mbarrier.arrive(empty.index(s))
-                else:
-                    term = warpgroup_mma_wait(0, deps=(term,))
-                if DIAG == 0 or DIAG == 3:
-                    buf.store(term + fold_start)
-                    fence_async_shared()
-            elif EARLY_TERM:
-                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-                mbarrier.arrive(empty.index(s))
-            mbarrier.arrive(term_full.index(slot))
+        mbarrier.arrive(ds_ready.index(slot))
+        # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(s))
+        mbarrier.wait(ds_ready.index(slot), phase)
+        # the slot's previous term has been read by the fold warp (fresh barrier: parity 1 passes)
+        mbarrier.wait(term_free.index(slot), phase ^ 1)
+        term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
+                             is_async=True)
+        term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
+        term = warpgroup_mma_wait(0, deps=(term,))
+        if DIAG != 1:
+            term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(term + fold_start)
+            fence_async_shared()
+        mbarrier.arrive(term_full.index(slot))
 
     rows = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
@@ -243,15 +221,14 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, read
 
 
 @gluon.jit
-def _compute_second(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, ready, empty, half_full,
+def _compute_second(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HALF_N: gl.constexpr,
-                    RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr, EARLY_TERM: gl.constexpr):
-    _compute(q_bufs, do_bufs, k_smem, v_smem, ds_smem, term_bufs, kv_ready, ready, empty, half_full, term_full,
+                    RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr):
+    _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready, term_full,
              term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
-             qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 1, BLOCK_M, BLOCK_N, D, HALF_N, RING, WARPS, DIAG,
-             EARLY_TERM)
+             qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 1, BLOCK_M, BLOCK_N, D, HALF_N, RING, WARPS, DIAG)
 
 
 @fast_launch
@@ -262,7 +239,7 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                                    HALF_N: gl.constexpr, CHUNK: gl.constexpr, RING: gl.constexpr,
                                    COMPUTE_REGS: gl.constexpr, AGENT_REGS: gl.constexpr, DIAG: gl.constexpr,
-                                   EARLY_TERM: gl.constexpr, num_warps: gl.constexpr):
+                                   num_warps: gl.constexpr):
     """One program per (KV block, sample * head) from the ticket ``Turns[0]``; ``Turns[1:]`` holds one
     turn counter per (sample * head, query block), zero at launch. ``acc_desc`` covers the fp32 dQ rows
     ``(sample * head * query blocks * BLOCK_M, D)`` in ``[BLOCK_M, CHUNK]`` boxes; they need no
@@ -286,12 +263,12 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
-    ds_bufs = gl.allocate_shared_memory(dtype, [2, HALF_N, BLOCK_M], ds_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)
     term_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], acc_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    half_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     term_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     term_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
@@ -299,18 +276,18 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # released by both compute warpgroups
     for s in gl.static_range(2):
-        mbarrier.init(half_full.index(s), count=1)
-        mbarrier.init(term_full.index(s), count=1)
+        mbarrier.init(ds_ready.index(s), count=2)
+        mbarrier.init(term_full.index(s), count=2)
         mbarrier.init(term_free.index(s), count=1)
     gl.warp_specialize([
-        (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs.index(0), term_bufs, kv_ready, ready, empty, half_full,
+        (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING,
-                    num_warps, DIAG, EARLY_TERM)),
-        (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs.index(1), term_bufs, kv_ready, ready, empty,
-                           half_full, term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q,
+                    num_warps, DIAG)),
+        (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty,
+                           ds_ready, term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q,
                            pid_n, qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N,
-                           RING, num_warps, DIAG, EARLY_TERM)),
+                           RING, num_warps, DIAG)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
                    b, h * D, start_n, n_q, BLOCK_M, RING)),
         (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
@@ -347,8 +324,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                            lse2: torch.Tensor, delta: torch.Tensor,
-                           scale: float, head_group: int, diag: int = 0,
-                           early_term: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           scale: float, head_group: int, diag: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (contiguous, like ``q``) for TMA-eligible bf16 / fp16 ``(B, S, heads, 128)``
     operands. Trusted inputs (:func:`flowlock.ops.attention.triton.attention_bwd` validated them).
     Programs take tickets in groups of ``head_group`` heads (sample * head), a group's KV blocks in
@@ -371,7 +347,7 @@ def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
         acc_desc, lse2, delta, dk, dv, turns, seq, heads, bh, kv_blocks, head_group, scale * LOG2E, scale,
         *dq.stride()[:3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=HEAD_DIM, HALF_N=HALF_N, CHUNK=CHUNK, RING=RING,
-        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag, EARLY_TERM=early_term, num_warps=COMPUTE_WARPS)
+        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag, num_warps=COMPUTE_WARPS)
     _dq_from_acc_kernel[(n_q, bh)](acc, dq, seq, heads, n_q * BLOCK_M, scale, *dq.stride()[:3],
                                    BLOCK=BLOCK_M, D=dim, num_warps=4)
     return dq, dk, dv
