@@ -9,10 +9,9 @@ ascending order and issues five products per block pair: ``S^T = K Q^T``, ``dP^T
 ``dV += P^T dO``, ``dK += dS^T Q`` and the block's dQ term ``dS K`` (the separate Triton kernels issue
 seven: their dQ kernel computes ``S`` and ``dP`` again). Partitions of a program:
 
-* two compute warpgroups, each owning 64 of the KV rows (their dK, dV and dS). Warpgroup 0 computes
-  the dQ term over its rows from zero and leaves it (fp32) in a shared slot; warpgroup 1 loads it as
-  the accumulator of its own rows' product, so the term is one chain over all 128 KV rows, and writes
-  it back. Neither waits for the other except on that slot;
+* two compute warpgroups, each owning 64 of the KV rows (their dK, dV and dS). Both leave their dS in
+  shared memory; each then computes half the columns of the block's dQ term as one chain over all 128
+  KV rows from zero (warpgroup 0's rows first) and leaves it (fp32) in a shared slot;
 * a loader warp: K and V once, then Q and dO blocks into a ring of stages both warpgroups release;
 * a fold warp: KV block 0 stores its terms as the fp32 dQ rows; a later KV block's term for query
   block ``m`` is added (TMA reduction) only when that block's turn counter says every earlier KV
@@ -323,8 +322,8 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                           lse2: torch.Tensor, delta: torch.Tensor,
-                           scale: float, head_group: int, diag: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           lse2: torch.Tensor, delta: torch.Tensor, scale: float, head_group: int,
+                           diag: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (contiguous, like ``q``) for TMA-eligible bf16 / fp16 ``(B, S, heads, 128)``
     operands. Trusted inputs (:func:`flowlock.ops.attention.triton.attention_bwd` validated them).
     Programs take tickets in groups of ``head_group`` heads (sample * head), a group's KV blocks in
@@ -347,7 +346,8 @@ def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
         acc_desc, lse2, delta, dk, dv, turns, seq, heads, bh, kv_blocks, head_group, scale * LOG2E, scale,
         *dq.stride()[:3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=HEAD_DIM, HALF_N=HALF_N, CHUNK=CHUNK, RING=RING,
-        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag, num_warps=COMPUTE_WARPS)
+        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag,
+        num_warps=COMPUTE_WARPS)
     _dq_from_acc_kernel[(n_q, bh)](acc, dq, seq, heads, n_q * BLOCK_M, scale, *dq.stride()[:3],
                                    BLOCK=BLOCK_M, D=dim, num_warps=4)
     return dq, dk, dv
