@@ -24,6 +24,8 @@ and a red gate refuses the benchmark; ``--skip-gate`` skips it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -223,10 +225,12 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
 SWEEP_CANDIDATES = {
     "fwd": [(128, 128, 8, 3, 1, 0), (128, 128, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0), (128, 64, 4, 3, 1, 0),
             (128, 128, 8, 2, 1, 0), (128, 128, 8, 4, 1, 0)],
-    "dkdv": [(64, 128, 8, 3, 1, 1), (64, 64, 8, 3, 1, 1, 1), (64, 128, 8, 2, 1, 1, 1), (64, 64, 8, 4, 1, 1, 1),
-             (64, 64, 8, 2, 1, 1, 1), (64, 64, 8, 3, 1, 0, 1), (64, 128, 8, 3, 1, 1, 1), (64, 64, 8, 3, 0, 1, 1),
-             (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 1), (32, 128, 8, 4, 1, 0),
-             (32, 128, 8, 4, 1, 1), (32, 128, 8, 2, 1, 0), (64, 128, 8, 3, 0, 0), (128, 128, 8, 3, 1, 0)],
+    "dkdv": [(64, 128, 8, 3, 1, 1), (64, 128, 8, 3, 1, 1, 1), (64, 128, 8, 3, 1, 1, 2), (64, 64, 8, 3, 1, 1, 1),
+             (64, 64, 8, 3, 1, 1, 2), (64, 128, 8, 2, 1, 1, 2), (64, 64, 4, 2, 1, 1, 2), (64, 64, 4, 3, 1, 1, 2),
+             (64, 64, 8, 2, 1, 1, 2), (128, 128, 8, 2, 1, 1, 2), (64, 128, 8, 2, 1, 1, 1), (64, 64, 8, 4, 1, 1, 1),
+             (64, 64, 8, 3, 1, 0, 1), (64, 64, 8, 3, 0, 1, 1), (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0),
+             (32, 128, 8, 3, 1, 1), (32, 128, 8, 4, 1, 0), (32, 128, 8, 4, 1, 1), (32, 128, 8, 2, 1, 0),
+             (64, 128, 8, 3, 0, 0), (128, 128, 8, 3, 1, 0)],
     "dq": [(128, 64, 8, 4, 1, 0), (128, 64, 8, 4, 1, 1), (128, 64, 8, 3, 1, 1), (128, 64, 8, 3, 1, 0),
            (128, 64, 8, 2, 1, 1), (64, 64, 4, 3, 1, 1), (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 0, 0),
            (128, 128, 8, 3, 1, 0)],
@@ -350,7 +354,7 @@ def sweep(seq: int, heads: int, dim: int, windows: int, calls: int, budget_s: fl
     case = SweepCase(seq, heads, dim)
     for kernel, cand in sweep_order(kernels):
         row = {"seq": seq, "kernel": kernel, "cfg": list(cand[:4]), "tma": bool(cand[4]), "dp_first": bool(cand[5]),
-               "fused_dq": bool(candidate(cand)[6])}
+               "fused_dq": candidate(cand)[6]}
         if time.time() - t0 > budget_s:
             record({**row, "skipped": f"sweep budget of {budget_s:.0f} s spent"})
             continue
@@ -436,10 +440,10 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
         if kernel != "fwd":
             consts["DP_FIRST"] = bool(dp_first)
         if kernel == "dkdv":
-            consts["FUSED_DQ"] = bool(fused_dq)
+            consts["FUSED_DQ"] = fused_dq
         sig.update(dict.fromkeys(consts, "constexpr"))
         row = {"kernel": kernel, "cfg": [bm, bn, warps, stages], "tma": bool(tma), "dp_first": bool(dp_first),
-               "fused_dq": bool(fused_dq)}
+               "fused_dq": fused_dq}
         try:
             compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, hints),
                                       target=GPUTarget("cuda", capability, 128),
@@ -458,7 +462,57 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
     return rows
 
 
-SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings")
+def one_pass(seqs, heads: int, dim: int, iters: int, head_groups: Sequence[int]) -> list[dict]:
+    """The backward with the one-pass Gluon kernel (``ONE_PASS=G`` in the dK/dV config: tickets in groups
+    of G heads) for each G in ``head_groups``, against the frozen separate kernels, the separate kernels
+    with dQ folded per 128-row KV block (the one-pass kernel's bits, checked for every G), and cuDNN's
+    backward; queued medians, alternating order."""
+    from flowlock.config import launch_config
+    from flowlock.keys import device_arch
+
+    arch = device_arch(torch.cuda.current_device())
+    dkdv = launch_config("attention_bwd_dkdv", torch.bfloat16, arch, (dim,))
+    one_pass_dkdv = {g: dkdv.with_blocks(ONE_PASS=g) for g in head_groups}
+    # two stages: four of 128 x 128 K / V tiles beside the 128-row Q / dO exceed shared memory
+    fold_dq = dataclasses.replace(launch_config("attention_bwd_dq", torch.bfloat16, arch, (dim,))
+                                  .with_blocks(BLOCK_N=128, DQ_FOLD=1), num_stages=2)
+    rows = []
+    for seq in seqs:
+        rows.append(_one_pass_row(seq, heads, dim, iters, one_pass_dkdv, fold_dq))
+        print("one_pass", json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _one_pass_row(seq: int, heads: int, dim: int, iters: int, one_pass_dkdv: dict, fold_dq) -> dict:
+    from flowlock.ops.attention.triton import attention_bwd, attention_fwd
+
+    q, k, v, do = inputs(1, seq, heads, dim, seed=seq)
+    scale = dim ** -0.5
+    with torch.no_grad():
+        out, lse2 = attention_fwd(q, k, v, scale)
+    cudnn_out = sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v)
+    one_pass = {f"one_pass_g{g}": functools.partial(attention_bwd, do, q, k, v, out, lse2, scale, dkdv_config=cfg)
+                for g, cfg in one_pass_dkdv.items()}
+    fns = {
+        "frozen": lambda: attention_bwd(do, q, k, v, out, lse2, scale),
+        "separate_fold": lambda: attention_bwd(do, q, k, v, out, lse2, scale, dq_config=fold_dq),
+        **one_pass,
+        "sdpa_cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
+    }
+    want = fns["separate_fold"]()
+    same = {f"{name}_bits_equal_separate_fold": bitwise(fn(), want) for name, fn in one_pass.items()}
+    ms = alternating_medians(fns, iters, 2, queued=True)
+    work = 2.5 * 4.0 * seq * seq * dim * heads
+    best = min(one_pass, key=ms.get)
+    return {"seq": seq, **same, **{f"{n}_ms": t for n, t in ms.items()},
+            **{f"{n}_tflops": work / t / 1e9 for n, t in ms.items()},
+            "one_pass_best": best, "one_pass_best_over_frozen": ms[best] / ms["frozen"],
+            "one_pass_best_over_cudnn": ms[best] / ms["sdpa_cudnn"],
+            "frozen_over_cudnn": ms["frozen"] / ms["sdpa_cudnn"]}
+
+
+SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "one_pass")
 
 
 def main() -> None:
@@ -466,6 +520,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON output path (rewritten after every result)")
     parser.add_argument("--skip-gate", action="store_true", help="skip the CPU test gate")
     parser.add_argument("--seqs", default="925,4253,16384,32768")
+    parser.add_argument("--one-pass-head-groups", default="2,4,8,16",
+                        help="one_pass section: ticket head groups G to time (ONE_PASS=G), comma-separated")
     parser.add_argument("--heads", type=int, default=56)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
@@ -477,7 +533,7 @@ def main() -> None:
     parser.add_argument("--sweep-kernels", default=",".join(SWEEP_CANDIDATES),
                         help=f"comma-separated subset of {tuple(SWEEP_CANDIDATES)} to sweep")
     parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
-    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "sweep"),
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in ("sweep", "one_pass")),
                         help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
     parser.add_argument("--compile-check", action="store_true",
                         help="only compile the sweep candidates for sm90 offline (no GPU) and report their resources")
@@ -542,6 +598,8 @@ def main() -> None:
         "host": lambda: [host_overhead(attention, s, args.heads, args.dim) for s in (4096,)],
         "sweep": run_sweep,
         "timings": lambda: timings(attention, seqs, args.heads, args.dim, args.iters, args.warmup),
+        "one_pass": lambda: one_pass(seqs, args.heads, args.dim, args.iters,
+                                     [int(g) for g in args.one_pass_head_groups.split(",")]),
     }
     for name in SECTIONS:
         if name not in wanted:

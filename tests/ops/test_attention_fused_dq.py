@@ -75,3 +75,18 @@ def test_a_turn_taken_out_of_order_is_caught(monkeypatch):
     case = _case(1, 40, 1, 16, torch.bfloat16, seed=7)
     with pytest.raises(Exception, match="turn taken out of order"):
         _backward(case, _cfg(16, 16, 1))
+
+
+def _fold_dq_cfg(block_n):
+    return LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", block_n), ("DQ_FOLD", 1)), num_warps=4)
+
+
+@pytest.mark.parametrize("block_n,d,dtype", [(16, 16, torch.bfloat16), (32, 16, torch.bfloat16),
+                                             (16, 24, torch.float16), (32, 16, torch.float32)])
+def test_fused_fold_gives_the_folded_dq_kernels_bits(block_n, d, dtype):
+    """``FUSED_DQ=2`` (each KV block's dQ term from zero, added in turn) and the dQ kernel with
+    ``DQ_FOLD=1`` on KV blocks of the same width compute one sum in one order."""
+    case = _case(2, 45, 2, d, dtype, seed=block_n)
+    folded = _backward(case, _cfg(16, block_n, 0), _fold_dq_cfg(block_n))
+    fused = _backward(case, _cfg(16, block_n, 2))
+    assert_bitwise_equal(fused, folded, f"FUSED_DQ=2 at KV blocks of {block_n}, D={d}, {dtype}")

@@ -53,6 +53,15 @@ def add_compensated(acc, comp, part):
     return total, (total - acc) - y
 
 
+@triton.jit
+def keep_apart(x):
+    """``x`` unchanged, through an op the combine pass cannot see through: ``keep_apart(tl.dot(a, b)) + c``
+    stays a product from zero and one addition instead of becoming ``tl.dot(a, b, c)``."""
+    if NATIVE:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return x
+
+
 # tl.dot when the kernels are compiled; the BLAS-free product when @triton.jit made interpreted
 # functions (TRITON_INTERPRET=1 when Triton decorated this module).
 NATIVE = tl.constexpr(not isinstance(dot_f32, InterpretedFunction))

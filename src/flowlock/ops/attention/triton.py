@@ -37,9 +37,23 @@ variant: a fixed layout rule, never a retry after a failure, and the same bits e
 ``FUSED_DQ=1`` in the dK/dV config (a sweep candidate; no frozen config sets it) folds the dQ kernel
 into the dK/dV kernel: each KV-block program adds its ``dS @ K`` to an fp32 dQ buffer when that query
 block's turn counter reaches it (``flowlock.ops._turns``), so the terms arrive in ascending KV order and
-dq, dk, dv keep the separate kernels' bits (tested on the CPU and the H200). It runs 2.2-3.2x slower
-than the separate kernels on an H200 (docs/performance.md): every turn's wait, fp32 load and release
-fence sit on the program's critical path.
+dq, dk, dv keep the separate kernels' bits (tested on the CPU and the H200). Programs take their KV
+block and head from a ticket, the head index fastest, so the programs running at once hold the first
+KV blocks of every head and a head's turn chain is only as deep as its KV blocks in flight. The first
+measurement (KV block fastest, every KV block of a head chained) ran 2.2-3.2x slower than the separate
+kernels on an H200 (docs/performance.md). ``FUSED_DQ=2`` computes each block's term from zero before
+the turn and adds it after: the bits of the dQ kernel with ``DQ_FOLD=1`` at the same KV block width.
+
+``DQ_FOLD=1`` in the dQ config sums dQ as per-KV-block terms, each from zero, added in ascending KV
+order (one fp32 addition per block), instead of one chain of products over all KV rows: the order a
+program that owns one KV block and adds its term in turn can reproduce. Under the interpreter both
+orders are the same (its products are always summed from zero and then added).
+
+``ONE_PASS=G`` (G > 0) in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper,
+D = 128, bf16 / fp16, every operand TMA-eligible), its programs ticketed in groups of G heads: dK and
+dV with this module's dK/dV bits, dQ with the dQ kernel's ``DQ_FOLD=1`` bits on 128-row KV blocks
+(its fold's additions flush subnormals), from one pass. Operands it does not serve run the
+separate kernels under the dQ config given.
 """
 
 from __future__ import annotations
@@ -54,11 +68,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, launch_config
 from flowlock.keys import arch_of
-from flowlock.ops._dot import dot_f32
+from flowlock.ops._dot import dot_f32, keep_apart
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
 from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
+from flowlock.ops.attention import gluon_bwd
 from flowlock.ops.attention.reference import LOG2E
 
 
@@ -236,24 +251,34 @@ def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, sta
     dk = _mma(ds_t, q, dk, UPCAST)
     if FUSED_DQ:
         _dq_turn(tl.trans(ds_t), k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_scale, stride_gs,
-                 BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST)
+                 BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST, FUSED_DQ)
     return dk, dv
 
 
 @triton.jit
 def _dq_turn(ds, k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_scale, stride_gs,
-             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+             FUSED_DQ: tl.constexpr):
     """Add this KV block's ``dS @ K`` to the fp32 dQ rows of query block ``start_m`` when its turn
     comes (KV blocks ascending), and hand the turn on; the last KV block scales and rounds once and
-    writes dQ itself. ``dq_acc`` is this head's zero-started ``(query rows, BLOCK_D)`` fp32 buffer."""
+    writes dQ itself. ``dq_acc`` is this head's zero-started ``(query rows, BLOCK_D)`` fp32 buffer.
+
+    ``FUSED_DQ == 1`` issues the product onto the loaded rows (the dQ kernel's chain, its bits);
+    ``FUSED_DQ == 2`` computes the block's product from zero before the wait and adds it after (a
+    per-KV-block partial folded in ascending order: other bits, the product off the turn's path)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    if FUSED_DQ == 2:
+        part = keep_apart(_mma(ds, k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST))
     turn = turns + start_m // BLOCK_M
     # the rows' address depends on the value the wait returns (equal to kv_block), so the buffer
     # is read after the turn arrives whatever the compiler reorders
     rows = start_m + offs_m + (wait_turn(turn, kv_block) - kv_block)
     acc_ptrs = dq_acc + rows.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :]
-    acc = _mma(ds, k, tl.load(acc_ptrs, cache_modifier=".cg"), UPCAST)
+    if FUSED_DQ == 2:
+        acc = tl.load(acc_ptrs, cache_modifier=".cg") + part
+    else:
+        acc = _mma(ds, k, tl.load(acc_ptrs, cache_modifier=".cg"), UPCAST)
     tl.store(acc_ptrs, acc, mask=(kv_block != last_kv) & (offs_m >= 0)[:, None])
     out_ok = _in_head((start_m + offs_m) < seq, BLOCK_D, HEAD_DIM) & (kv_block == last_kv)
     tl.store(_rows(dq_out, start_m, offs_m, stride_gs, BLOCK_D), (acc * sm_scale).to(dq_out.dtype.element_ty),
@@ -264,7 +289,7 @@ def _dq_turn(ds, k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_s
 @fast_launch
 @triton.jit
 def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, dQ, DQAcc, Turns, seq, heads, kv_blocks,
-                               qk_scale, sm_scale,
+                               heads_total, qk_scale, sm_scale,
                                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                                stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                                stride_gb, stride_gs, stride_gh,
@@ -276,14 +301,18 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, dQ, DQAcc, Tu
     descriptors when ``TMA``.
 
     ``FUSED_DQ``: the program also adds its ``dS @ K`` to each query block's dQ, in turn (see
-    :func:`_dq_turn`), on a 1-D grid whose programs take (sample * heads, KV block) from the ticket
-    ``Turns[0]``; ``Turns[1:]`` holds one turn counter per (sample * heads, query block) and
-    ``DQAcc`` the fp32 dQ rows, all zero at launch. Otherwise ``dQ``, ``DQAcc`` and ``Turns`` are
-    unused and the grid is (KV blocks, sample * heads)."""
+    :func:`_dq_turn`), on a 1-D grid whose programs take (KV block, sample * heads) from the ticket
+    ``Turns[0]``, the ``heads_total`` (sample * heads) index fastest; ``Turns[1:]`` holds one turn
+    counter per (sample * heads, query block) and ``DQAcc`` the fp32 dQ rows, all zero at launch.
+    Otherwise ``dQ``, ``DQAcc`` and ``Turns`` are unused and the grid is (KV blocks, sample * heads)."""
     if FUSED_DQ:
         ticket = take_ticket(Turns)
-        pid_n = ticket % kv_blocks
-        pid_bh = ticket // kv_blocks
+        # heads fastest: the programs running at once cover every head's first KV blocks, so a
+        # head's turn chain is as deep as the KV blocks of it in flight (2-3 at 56 heads on 132
+        # SMs), not every KV block of the head (KV block fastest chained them all, each program
+        # starting a query block behind the one before)
+        pid_n = ticket // heads_total
+        pid_bh = ticket % heads_total
     else:
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -329,7 +358,8 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, dQ, DQAcc, Tu
 @triton.jit
 def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs, qk_scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr):
+                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, DP_FIRST: tl.constexpr,
+                 DQ_FOLD: tl.constexpr):
     k = _load_rows(k_src, b, col, start_n, seq, stride_ks, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_N, TMA)
     v = _load_rows(v_src, b, col, start_n, seq, stride_vs, BLOCK_N, BLOCK_D, HEAD_DIM, MASK_N, TMA)
     qk = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
@@ -341,6 +371,10 @@ def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stri
     if not DP_FIRST:
         dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     ds = p * (dp - delta[:, None])
+    if DQ_FOLD:
+        # the block's term from zero, then one fp32 addition (keep_apart stops the compiler from
+        # issuing the product onto dq, which would be the chained order)
+        return dq + keep_apart(_mma(ds.to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST))
     return _mma(ds.to(k.dtype), k, dq, UPCAST)
 
 
@@ -352,7 +386,7 @@ def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scal
                              stride_gb, stride_gs, stride_gh,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                              HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-                             DP_FIRST: tl.constexpr):
+                             DP_FIRST: tl.constexpr, DQ_FOLD: tl.constexpr):
     """One program per (query block, sample * heads) owns its dQ rows; KV blocks ascend
     (``P`` and ``dP`` are recomputed rather than accumulated across programs). ``Q``, ``K``,
     ``V``, ``dOut`` are descriptors when ``TMA``."""
@@ -376,10 +410,10 @@ def _attention_bwd_dq_kernel(Q, K, V, dOut, Lse2, Delta, dQ, seq, heads, qk_scal
     n_full = (seq // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):
         dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST, TMA, DP_FIRST)
+                          qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST, TMA, DP_FIRST, DQ_FOLD)
     if n_full < seq:
         dq = _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, n_full, seq, stride_ks, stride_vs,
-                          qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST, TMA, DP_FIRST)
+                          qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST, TMA, DP_FIRST, DQ_FOLD)
     tl.store(_rows(_head(dQ, b, h, stride_gb, stride_gh, False), start_m, offs_m, stride_gs, BLOCK_D),
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=_in_head(row_ok, BLOCK_D, HEAD_DIM))
 
@@ -393,7 +427,9 @@ class _Tiles(NamedTuple):
     num_stages: int
     tma: bool
     dp_first: bool
-    fused_dq: bool
+    fused_dq: int
+    dq_fold: bool
+    one_pass: int
 
 
 def _tiles(cfg: LaunchConfig) -> _Tiles:
@@ -402,7 +438,8 @@ def _tiles(cfg: LaunchConfig) -> _Tiles:
     them as 0."""
     blocks = dict(cfg.blocks)
     return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
-                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), bool(blocks.get("FUSED_DQ", 0)))
+                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), blocks.get("FUSED_DQ", 0),
+                  bool(blocks.get("DQ_FOLD", 0)), blocks.get("ONE_PASS", 0))
 
 
 class _Frozen(NamedTuple):
@@ -493,6 +530,8 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         BLOCK_M=frozen.delta.block_m, BLOCK_D=block_d(dim), HEAD_DIM=dim,
         num_warps=frozen.delta.num_warps, num_stages=frozen.delta.num_stages,
     )
+    if dkdv_t.one_pass and eligible and gluon_bwd.applies(q):
+        return gluon_bwd.attention_bwd_one_pass(q, k, v, dout, lse2, delta, scale, dkdv_t.one_pass)
     dq = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
@@ -514,7 +553,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     _attention_bwd_dkdv_kernel[grid](
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
         _operand(dout, t.block_m, tma), lse2, delta, dk, dv, dq, dq_acc, turns, seq, heads, kv_blocks,
-        *common,
+        batch * heads, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
         DP_FIRST=t.dp_first, FUSED_DQ=t.fused_dq, num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -526,7 +565,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
         _operand(dout, t.block_m, tma), lse2, delta, dq, seq, heads, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
-        DP_FIRST=t.dp_first, num_warps=t.num_warps, num_stages=t.num_stages,
+        DP_FIRST=t.dp_first, DQ_FOLD=t.dq_fold, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return dq, dk, dv
 

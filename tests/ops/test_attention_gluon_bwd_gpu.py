@@ -1,0 +1,78 @@
+"""The one-pass Gluon attention backward (flowlock.ops.attention.gluon_bwd) on a Hopper GPU: dK and dV are
+the frozen Triton dK/dV kernel's bits, dQ is the Triton dQ kernel's with ``DQ_FOLD=1`` on 128-row KV
+blocks (per-block terms from zero, folded in ascending order), compared as raw bits at sequence lengths
+with a partial last KV and query block (925, 4253, 65, 1), whole blocks (4096, 64), two samples, views of
+a fused qkv projection, bf16 and fp16; repeated launches agree, and a sample alone equals itself in a batch.
+
+    TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gluon_bwd_gpu.py
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from flowlock.config import launch_config
+from flowlock.ops.attention import gluon_bwd
+from flowlock.ops.attention import triton as at
+from flowlock.testing import bitwise_equal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                       reason="needs a Hopper (sm90) GPU"),
+]
+
+HEADS = 8
+SCALE = 128 ** -0.5
+
+
+def _operands(batch, seq, dtype, fused, heads=HEADS):
+    g = torch.Generator(device="cuda").manual_seed(seq + 7 * batch)
+    if fused:
+        qkv = torch.randn(batch, seq, 3, heads, 128, generator=g, device="cuda").to(dtype)
+        q, k, v = qkv.unbind(2)
+    else:
+        q, k, v = (torch.randn(batch, seq, heads, 128, generator=g, device="cuda").to(dtype) for _ in range(3))
+    dout = torch.randn(batch, seq, heads, 128, generator=g, device="cuda").to(dtype)
+    return q, k, v, dout
+
+
+def _triton_fold(q, k, v, dout, out, lse2):
+    """The separate Triton kernels with dQ folded per 128-row KV block."""
+    dq_cfg = launch_config("attention_bwd_dq", q.dtype, "sm90", (128,)).with_blocks(BLOCK_N=128, DQ_FOLD=1)
+    # two stages: four of 128 x 128 K / V tiles beside the 128-row Q / dO exceed shared memory
+    dq_cfg = dataclasses.replace(dq_cfg, num_stages=2)
+    return at.attention_bwd(dout, q, k, v, out, lse2, SCALE, dq_config=dq_cfg)
+
+
+def _one_pass(q, k, v, dout, out, lse2):
+    """``attention_bwd`` with the one-pass kernel switched on in the dK/dV config (same delta kernel)."""
+    dkdv_cfg = launch_config("attention_bwd_dkdv", q.dtype, "sm90", (128,)).with_blocks(ONE_PASS=8)
+    return at.attention_bwd(dout, q, k, v, out, lse2, SCALE, dkdv_config=dkdv_cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, seq, fused", [(1, 925, False), (1, 4253, True), (1, 4096, False), (2, 200, False),
+                                               (1, 65, False), (1, 64, True), (1, 1, False)])
+def test_one_pass_gives_the_folded_triton_bits(batch, seq, fused, dtype):
+    q, k, v, dout = _operands(batch, seq, dtype, fused)
+    assert all(at.tma_eligible(t) for t in (q, k, v, dout)) and gluon_bwd.applies(q)
+    out, lse2 = at.attention_fwd(q, k, v, SCALE)
+    want = _triton_fold(q, k, v, dout, out, lse2)
+    got = _one_pass(q, k, v, dout, out, lse2)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert bitwise_equal(a, b), f"{name} S={seq} B={batch} {dtype} fused={fused}: " \
+                                    f"max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+def test_one_pass_repeats_and_is_batch_invariant():
+    q, k, v, dout = _operands(2, 4253, torch.bfloat16, False, heads=16)
+    out, lse2 = at.attention_fwd(q, k, v, SCALE)
+    first = _one_pass(q, k, v, dout, out, lse2)
+    for _ in range(50):
+        assert all(bitwise_equal(a, b) for a, b in zip(_one_pass(q, k, v, dout, out, lse2), first)), "repeat"
+    one = [t[1:2].contiguous() for t in (q, k, v, dout)]
+    o1, l1 = at.attention_fwd(*one[:3], SCALE)
+    alone = _one_pass(*one, o1, l1)
+    assert all(bitwise_equal(a, b[1:2]) for a, b in zip(alone, first)), "sample 1 alone vs in a batch of 2"
