@@ -58,6 +58,8 @@ BLOCK_M, BLOCK_N, HEAD_DIM, RING = 64, 128, 128, 2
 HALF_N, CHUNK = BLOCK_N // 2, 32
 # Warps and registers: compute warpgroups (the default partition and one worker), then the loader and fold warps.
 COMPUTE_WARPS, COMPUTE_REGS, AGENT_REGS = 4, 240, 24
+# Fold warps: two (one a term slot) wait for their TMA reductions' completion side by side.
+FOLD_WARPS = 2
 
 
 @builtin
@@ -79,14 +81,21 @@ def _take_turn(turn, want):
 
 
 @gluon.jit
-def _pass_turn(turn, value):
+def _pass_turn(turn, value, DIAG: gl.constexpr):
     """``*turn = value`` once this warp's bulk stores and reductions have completed (not only read their
     source): wait for the bulk groups, join the lanes, order the async proxy's writes and every earlier
-    write before a GPU-scope fence, then store."""
-    return gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; fence.acq_rel.gpu; "
-        "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
-        "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
+    write before a GPU-scope fence, then store. (``DIAG == 4``: after the read only, FA3's protocol; a
+    diagnostic, its order is not guaranteed.)"""
+    if DIAG == 4:
+        return gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group.read 0; bar.warp.sync -1; fence.acq_rel.gpu; "
+            "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
+            "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; fence.acq_rel.gpu; "
+            "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
+            "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -106,12 +115,14 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv
 
 @gluon.jit
 def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_q,
-            BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, DIAG: gl.constexpr):
-    """Per query block ``m``: once the warpgroups have left the block's term in slot ``m % 2``, KV block 0
-    stores it as the fp32 dQ rows; a later KV block waits for its turn (every earlier KV block's term
-    added) and adds its term by TMA reduction. The slot is handed back once read, the turn once the
-    writes have completed."""
-    for m in range(n_q):
+            BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, DIAG: gl.constexpr,
+            FIRST: gl.constexpr, STEP: gl.constexpr):
+    """Query blocks ``m = FIRST, FIRST + STEP, ..``: once the warpgroups have left the block's term in
+    slot ``m % 2``, KV block 0 stores it as the fp32 dQ rows; a later KV block waits for its turn (every
+    earlier KV block's term added) and adds its term by TMA reduction. The slot is handed back once
+    read, the turn once the writes have completed. With ``STEP == 2`` two fold warps, one a slot, wait
+    for their writes' completion side by side."""
+    for m in range(FIRST, n_q, STEP):
         slot = m % 2
         mbarrier.wait(term_full.index(slot), (m // 2) & 1)
         buf = term_bufs.index(slot)
@@ -127,7 +138,7 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
                                                 buf.slice(c * CHUNK, CHUNK, dim=1))
         tma.store_wait(0)
         mbarrier.arrive(term_free.index(slot))
-        _pass_turn(turns + m, kv_block + 1)
+        _pass_turn(turns + m, kv_block + 1, DIAG)
 
 
 @gluon.jit
@@ -238,7 +249,7 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                                    HALF_N: gl.constexpr, CHUNK: gl.constexpr, RING: gl.constexpr,
                                    COMPUTE_REGS: gl.constexpr, AGENT_REGS: gl.constexpr, DIAG: gl.constexpr,
-                                   num_warps: gl.constexpr):
+                                   FOLD_WARPS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (KV block, sample * head) from the ticket ``Turns[0]``; ``Turns[1:]`` holds one
     turn counter per (sample * head, query block), zero at launch. ``acc_desc`` covers the fp32 dQ rows
     ``(sample * head * query blocks * BLOCK_M, D)`` in ``[BLOCK_M, CHUNK]`` boxes; they need no
@@ -278,20 +289,35 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
         mbarrier.init(ds_ready.index(s), count=2)
         mbarrier.init(term_full.index(s), count=2)
         mbarrier.init(term_free.index(s), count=1)
-    gl.warp_specialize([
-        (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
+    # two fold warps (FOLD_WARPS == 2) take the even and the odd query blocks (the two term slots)
+    if FOLD_WARPS == 2:
+        gl.warp_specialize([
+            (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
-                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING,
-                    num_warps, DIAG)),
-        (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty,
-                           ds_ready, term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q,
-                           pid_n, qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N,
-                           RING, num_warps, DIAG)),
-        (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
+                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
+            (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
+                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
+                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
+            (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
                    b, h * D, start_n, n_q, BLOCK_M, RING)),
-        (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
-                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG)),
-    ], [num_warps, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS])
+            (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
+                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 0, 2)),
+            (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
+                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 1, 2)),
+        ], [num_warps, 1, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS, AGENT_REGS])
+    else:
+        gl.warp_specialize([
+            (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
+                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
+                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
+            (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
+                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
+                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
+            (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
+                   b, h * D, start_n, n_q, BLOCK_M, RING)),
+            (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
+                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 0, 1)),
+        ], [num_warps, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS])
 
 
 @triton.jit
@@ -323,7 +349,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                            lse2: torch.Tensor, delta: torch.Tensor, scale: float, head_group: int,
-                           diag: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           diag: int = 0, fold_warps: int = FOLD_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (contiguous, like ``q``) for TMA-eligible bf16 / fp16 ``(B, S, heads, 128)``
     operands. Trusted inputs (:func:`flowlock.ops.attention.triton.attention_bwd` validated them).
     Programs take tickets in groups of ``head_group`` heads (sample * head), a group's KV blocks in
@@ -346,7 +372,7 @@ def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
         acc_desc, lse2, delta, dk, dv, turns, seq, heads, bh, kv_blocks, head_group, scale * LOG2E, scale,
         *dq.stride()[:3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=HEAD_DIM, HALF_N=HALF_N, CHUNK=CHUNK, RING=RING,
-        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag,
+        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag, FOLD_WARPS=fold_warps,
         num_warps=COMPUTE_WARPS)
     _dq_from_acc_kernel[(n_q, bh)](acc, dq, seq, heads, n_q * BLOCK_M, scale, *dq.stride()[:3],
                                    BLOCK=BLOCK_M, D=dim, num_warps=4)
