@@ -26,7 +26,7 @@ def main() -> None:
                seq="i32", heads="i32", heads_total="i32", kv_blocks="i32", head_group="i32", qk_scale="fp32",
                sm_scale="fp32", stride_gb="i32", stride_gs="i32", stride_gh="i32")
     consts = dict(BLOCK_M=gb.BLOCK_M, BLOCK_N=gb.BLOCK_N, D=gb.HEAD_DIM, HALF_N=gb.HALF_N, CHUNK=gb.CHUNK,
-                  RING=gb.RING, COMPUTE_REGS=gb.COMPUTE_REGS, AGENT_REGS=gb.AGENT_REGS, DIAG=0, FOLD_WARPS=gb.FOLD_WARPS,
+                  RING=gb.RING, COMPUTE_REGS=gb.COMPUTE_REGS, AGENT_REGS=gb.AGENT_REGS, DIAG=0,
                   num_warps=gb.COMPUTE_WARPS)
     sig.update(dict.fromkeys(consts, "constexpr"))
     compiled, ptx, info = compile_gluon_sm90(gb._attention_bwd_one_pass_kernel.kernel, sig, consts, gb.COMPUTE_WARPS)

@@ -13,10 +13,15 @@ seven: their dQ kernel computes ``S`` and ``dP`` again). Partitions of a program
   shared memory; each then computes half the columns of the block's dQ term as one chain over all 128
   KV rows from zero (warpgroup 0's rows first) and leaves it (fp32) in a shared slot;
 * a loader warp: K and V once, then Q and dO blocks into a ring of stages both warpgroups release;
-* a fold warp: KV block 0 stores its terms as the fp32 dQ rows; a later KV block's term for query
-  block ``m`` is added (TMA reduction) only when that block's turn counter says every earlier KV
-  block's was, and the turn is passed on once the addition has completed. A small kernel then scales
-  and rounds the fp32 rows into dQ.
+* two fold warps, one a term slot (even and odd query blocks, so their waits for completed writes
+  overlap): KV block 0 stores its terms as the fp32 dQ rows; a later KV block's term for query block
+  ``m`` is added (TMA reduction) only when that block's turn counter says every earlier KV block's
+  was, and the turn is passed on once the addition has completed. A small kernel then scales and
+  rounds the fp32 rows into dQ.
+
+``diag`` (0 in use) switches parts off to see where the time goes, with wrong bits by design: 1 no
+term store and no fold traffic, 3 the fold without turns, 4 the term stored but never sent to the TMA
+unit (``benchmarks/results/attention_one_pass_diagnostics_*``).
 
 Bits (the contract of :mod:`flowlock.ops.attention.triton` for ``DQ_FOLD=1``): dK and dV are the
 Triton dK/dV kernel's at its frozen tiles (64 query rows a step, the same products from the same
@@ -58,8 +63,6 @@ BLOCK_M, BLOCK_N, HEAD_DIM, RING = 64, 128, 128, 2
 HALF_N, CHUNK = BLOCK_N // 2, 32
 # Warps and registers: compute warpgroups (the default partition and one worker), then the loader and fold warps.
 COMPUTE_WARPS, COMPUTE_REGS, AGENT_REGS = 4, 240, 24
-# Fold warps: two (one a term slot) wait for their TMA reductions' completion side by side.
-FOLD_WARPS = 2
 
 
 @builtin
@@ -81,21 +84,14 @@ def _take_turn(turn, want):
 
 
 @gluon.jit
-def _pass_turn(turn, value, DIAG: gl.constexpr):
+def _pass_turn(turn, value):
     """``*turn = value`` once this warp's bulk stores and reductions have completed (not only read their
     source): wait for the bulk groups, join the lanes, order the async proxy's writes and every earlier
-    write before a GPU-scope fence, then store. (``DIAG == 4``: after the read only, FA3's protocol; a
-    diagnostic, its order is not guaranteed.)"""
-    if DIAG == 4:
-        return gl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group.read 0; bar.warp.sync -1; fence.acq_rel.gpu; "
-            "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
-            "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        return gl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; fence.acq_rel.gpu; "
-            "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
-            "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
+    write before a GPU-scope fence, then store."""
+    return gl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; fence.acq_rel.gpu; "
+        "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
+        "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -116,16 +112,16 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv
 @gluon.jit
 def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_q,
             BLOCK_M: gl.constexpr, CHUNK: gl.constexpr, CHUNKS: gl.constexpr, DIAG: gl.constexpr,
-            FIRST: gl.constexpr, STEP: gl.constexpr):
-    """Query blocks ``m = FIRST, FIRST + STEP, ..``: once the warpgroups have left the block's term in
-    slot ``m % 2``, KV block 0 stores it as the fp32 dQ rows; a later KV block waits for its turn (every
-    earlier KV block's term added) and adds its term by TMA reduction. The slot is handed back once
-    read, the turn once the writes have completed. With ``STEP == 2`` two fold warps, one a slot, wait
-    for their writes' completion side by side."""
-    for m in range(FIRST, n_q, STEP):
-        slot = m % 2
-        mbarrier.wait(term_full.index(slot), (m // 2) & 1)
-        buf = term_bufs.index(slot)
+            SLOT: gl.constexpr):
+    """Query blocks ``m`` of term slot ``SLOT`` (``m % 2 == SLOT``; the other slot's blocks are another
+    fold warp's, so the two wait for their writes' completion side by side): once the warpgroups have
+    left the block's term in the slot, KV block 0 stores it as the fp32 dQ rows; a later KV block waits
+    for its turn (every earlier KV block's term added) and adds its term by TMA reduction. The slot is
+    handed back once read, the turn once the writes have completed. (``DIAG``: 3 adds without turns,
+    4 sends nothing to the TMA unit; diagnostics, wrong bits by design.)"""
+    for m in range(SLOT, n_q, 2):
+        mbarrier.wait(term_full.index(SLOT), (m // 2) & 1)
+        buf = term_bufs.index(SLOT)
         if kv_block > 0:
             if DIAG != 3:
                 _take_turn(turns + m, kv_block)
@@ -137,8 +133,8 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
                 tma.async_copy_shared_to_global(acc_desc, [row0 + m * BLOCK_M, c * CHUNK],
                                                 buf.slice(c * CHUNK, CHUNK, dim=1))
         tma.store_wait(0)
-        mbarrier.arrive(term_free.index(slot))
-        _pass_turn(turns + m, kv_block + 1, DIAG)
+        mbarrier.arrive(term_free.index(SLOT))
+        _pass_turn(turns + m, kv_block + 1)
 
 
 @gluon.jit
@@ -249,7 +245,7 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                                    HALF_N: gl.constexpr, CHUNK: gl.constexpr, RING: gl.constexpr,
                                    COMPUTE_REGS: gl.constexpr, AGENT_REGS: gl.constexpr, DIAG: gl.constexpr,
-                                   FOLD_WARPS: gl.constexpr, num_warps: gl.constexpr):
+                                   num_warps: gl.constexpr):
     """One program per (KV block, sample * head) from the ticket ``Turns[0]``; ``Turns[1:]`` holds one
     turn counter per (sample * head, query block), zero at launch. ``acc_desc`` covers the fp32 dQ rows
     ``(sample * head * query blocks * BLOCK_M, D)`` in ``[BLOCK_M, CHUNK]`` boxes; they need no
@@ -289,35 +285,23 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
         mbarrier.init(ds_ready.index(s), count=2)
         mbarrier.init(term_full.index(s), count=2)
         mbarrier.init(term_free.index(s), count=1)
-    # two fold warps (FOLD_WARPS == 2) take the even and the odd query blocks (the two term slots)
-    if FOLD_WARPS == 2:
-        gl.warp_specialize([
-            (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
+    # a fold warp for each term slot
+    gl.warp_specialize([
+        (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
-                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
-            (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
-                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
-                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
-            (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
+                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING,
+                    num_warps, DIAG)),
+        (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty,
+                           ds_ready, term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q,
+                           pid_n, qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N,
+                           RING, num_warps, DIAG)),
+        (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
                    b, h * D, start_n, n_q, BLOCK_M, RING)),
-            (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
-                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 0, 2)),
-            (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
-                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 1, 2)),
-        ], [num_warps, 1, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS, AGENT_REGS])
-    else:
-        gl.warp_specialize([
-            (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
-                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
-                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
-            (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
-                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
-                    qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N, RING, num_warps, DIAG)),
-            (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
-                   b, h * D, start_n, n_q, BLOCK_M, RING)),
-            (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
-                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 0, 1)),
-        ], [num_warps, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS])
+        (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
+                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 0)),
+        (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
+                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 1)),
+    ], [num_warps, 1, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS, AGENT_REGS])
 
 
 @triton.jit
@@ -349,7 +333,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                            lse2: torch.Tensor, delta: torch.Tensor, scale: float, head_group: int,
-                           diag: int = 0, fold_warps: int = FOLD_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           diag: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (contiguous, like ``q``) for TMA-eligible bf16 / fp16 ``(B, S, heads, 128)``
     operands. Trusted inputs (:func:`flowlock.ops.attention.triton.attention_bwd` validated them).
     Programs take tickets in groups of ``head_group`` heads (sample * head), a group's KV blocks in
@@ -372,7 +356,7 @@ def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
         acc_desc, lse2, delta, dk, dv, turns, seq, heads, bh, kv_blocks, head_group, scale * LOG2E, scale,
         *dq.stride()[:3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=HEAD_DIM, HALF_N=HALF_N, CHUNK=CHUNK, RING=RING,
-        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag, FOLD_WARPS=fold_warps,
+        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag,
         num_warps=COMPUTE_WARPS)
     _dq_from_acc_kernel[(n_q, bh)](acc, dq, seq, heads, n_q * BLOCK_M, scale, *dq.stride()[:3],
                                    BLOCK=BLOCK_M, D=dim, num_warps=4)
