@@ -285,6 +285,8 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
         mbarrier.init(ds_ready.index(s), count=2)
         mbarrier.init(term_full.index(s), count=2)
         mbarrier.init(term_free.index(s), count=1)
+    head_turns = Turns + 1 + pid_bh.to(gl.int64) * n_q
+    head_rows = pid_bh * (n_q * BLOCK_M)
     # a fold warp for each term slot
     gl.warp_specialize([
         (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
@@ -297,10 +299,10 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
                            RING, num_warps, DIAG)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
                    b, h * D, start_n, n_q, BLOCK_M, RING)),
-        (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
-                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 0)),
-        (_folder, (acc_desc, term_bufs, term_full, term_free, Turns + 1 + pid_bh.to(gl.int64) * n_q,
-                   pid_bh * (n_q * BLOCK_M), pid_n, n_q, BLOCK_M, CHUNK, CHUNKS, DIAG, 1)),
+        (_folder, (acc_desc, term_bufs, term_full, term_free, head_turns, head_rows, pid_n, n_q, BLOCK_M, CHUNK,
+                   CHUNKS, DIAG, 0)),
+        (_folder, (acc_desc, term_bufs, term_full, term_free, head_turns, head_rows, pid_n, n_q, BLOCK_M, CHUNK,
+                   CHUNKS, DIAG, 1)),
     ], [num_warps, 1, 1, 1], [COMPUTE_REGS, AGENT_REGS, AGENT_REGS, AGENT_REGS])
 
 
