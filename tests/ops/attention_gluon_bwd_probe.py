@@ -27,7 +27,7 @@ def main() -> None:
                sm_scale="fp32", stride_gb="i32", stride_gs="i32", stride_gh="i32")
     consts = dict(BLOCK_M=gb.BLOCK_M, BLOCK_N=gb.BLOCK_N, D=gb.HEAD_DIM, HALF_N=gb.HALF_N, CHUNK=gb.CHUNK,
                   RING=gb.RING, COMPUTE_REGS=gb.COMPUTE_REGS, AGENT_REGS=gb.AGENT_REGS, DIAG=0,
-                  num_warps=gb.COMPUTE_WARPS)
+                  LATE=gb.LATE_TERM, num_warps=gb.COMPUTE_WARPS)
     sig.update(dict.fromkeys(consts, "constexpr"))
     compiled, ptx, info = compile_gluon_sm90(gb._attention_bwd_one_pass_kernel.kernel, sig, consts, gb.COMPUTE_WARPS)
     registers = sorted(set(map(int, re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx))))
@@ -39,6 +39,7 @@ def main() -> None:
                       "fold_adds": sorted(set(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.[\w:.]+", ptx))),
                       "turn_release_after_completion": bool(re.search(
                           r"cp\.async\.bulk\.wait_group 0;[^\n]*fence\.acq_rel\.gpu;[^\n]*st\.relaxed\.gpu", ptx)),
+                      "wgmma_serialized": "wgmma.mma_async instructions are serialized" in info,
                       "registers": sorted(set(map(int, re.findall(r"Used (\d+) registers", info))))}))
 
 

@@ -1,10 +1,11 @@
 """The one-pass Gluon attention backward (flowlock.ops.attention.gluon_bwd) compiles for sm90 on a CPU
-host: its PTX issues the two wgmma shapes of its five products (m64 n64 for S^T and dP^T, m64 n128
-for dV, dK and the dQ term), adds the term by TMA reduction after taking the turn with a GPU-scope
-acquire, passes the turn only after waiting for its bulk writes to complete (not only to have read
-shared memory), and fits an sm90 program's shared memory without spilling more than a few hundred
-bytes. Whether it gives the folded Triton kernels' bits is a GPU test
-(test_attention_gluon_bwd_gpu.py)."""
+host: its PTX issues the two wgmma shapes of its five products (m64 n64 for S^T, dP^T and each
+warpgroup's half of the dQ term, m64 n128 for dV and dK), adds the term by TMA reduction after taking
+the turn with a GPU-scope acquire, passes the turn only after waiting for its bulk writes to complete
+(not only to have read shared memory), fits an sm90 program's shared memory without spilling more
+than a few hundred bytes, and keeps its wgmma products asynchronous (ptxas serialises them all when a
+non-wgmma instruction reads an accumulator in flight). Whether it gives the folded Triton kernels'
+bits is a GPU test (test_attention_gluon_bwd_gpu.py)."""
 
 from compile_probe import run_compile_probe
 
@@ -16,4 +17,5 @@ def test_one_pass_backward_compiles_for_sm90():
     assert found["fold_adds"] == ["cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.bulk_group"], found
     assert found["shared_bytes"] <= 232448, found
     assert found["spill_bytes"] <= 1024, found
+    assert not found["wgmma_serialized"], found
     assert found["turn_acquire"] and found["turn_release_after_completion"], found

@@ -19,9 +19,15 @@ seven: their dQ kernel computes ``S`` and ``dP`` again). Partitions of a program
   was, and the turn is passed on once the addition has completed. A small kernel then scales and
   rounds the fp32 rows into dQ.
 
+Where a warpgroup stores its half of the term (``LATE_TERM``): 0 right after the term's product (the
+order measured in 38cafee), 1 under the next block's S^T product, 2 (FA3's order) issuing the term
+before dK and storing it while dK runs; the next query block's row statistics are loaded a block
+ahead. 1 and 2 compute the same sums as 0 and are not yet measured on a GPU.
+
 ``diag`` (0 in use) switches parts off to see where the time goes, with wrong bits by design: 1 no
 term store and no fold traffic, 3 the fold without turns, 4 the term stored but never sent to the TMA
-unit (``benchmarks/results/attention_one_pass_diagnostics_*``).
+unit, 5 passes the turn once the TMA unit has read the term (FA3's protocol; no guaranteed order)
+(``benchmarks/one_pass_diagnostics.py``).
 
 Bits (the contract of :mod:`flowlock.ops.attention.triton` for ``DQ_FOLD=1``): dK and dV are the
 Triton dK/dV kernel's at its frozen tiles (64 query rows a step, the same products from the same
@@ -63,6 +69,9 @@ BLOCK_M, BLOCK_N, HEAD_DIM, RING = 64, 128, 128, 2
 HALF_N, CHUNK = BLOCK_N // 2, 32
 # Warps and registers: compute warpgroups (the default partition and one worker), then the loader and fold warps.
 COMPUTE_WARPS, COMPUTE_REGS, AGENT_REGS = 4, 240, 24
+# Where the term is stored: 0 after its product, 1 under the next block's S^T product, 2 under dK's
+# product (FA3's order: the term is issued before dK).
+LATE_TERM = 2
 
 
 @builtin
@@ -84,14 +93,21 @@ def _take_turn(turn, want):
 
 
 @gluon.jit
-def _pass_turn(turn, value):
+def _pass_turn(turn, value, DIAG: gl.constexpr):
     """``*turn = value`` once this warp's bulk stores and reductions have completed (not only read their
     source): wait for the bulk groups, join the lanes, order the async proxy's writes and every earlier
-    write before a GPU-scope fence, then store."""
-    return gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; fence.acq_rel.gpu; "
-        "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
-        "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
+    write before a GPU-scope fence, then store. (``DIAG == 5``: after the read only, FA3's protocol; a
+    diagnostic, its order is not guaranteed.)"""
+    if DIAG == 5:
+        return gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group.read 0; bar.warp.sync -1; fence.acq_rel.gpu; "
+            "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
+            "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return gl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; fence.acq_rel.gpu; "
+            "st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;",
+            "=r,l,r", [turn, value], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -118,23 +134,24 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
     left the block's term in the slot, KV block 0 stores it as the fp32 dQ rows; a later KV block waits
     for its turn (every earlier KV block's term added) and adds its term by TMA reduction. The slot is
     handed back once read, the turn once the writes have completed. (``DIAG``: 3 adds without turns,
-    4 sends nothing to the TMA unit; diagnostics, wrong bits by design.)"""
+    4 sends nothing to the TMA unit, 5 passes turns once the TMA unit has read the term; diagnostics,
+    wrong bits or no guaranteed order by design.)"""
     for m in range(SLOT, n_q, 2):
         mbarrier.wait(term_full.index(SLOT), (m // 2) & 1)
         buf = term_bufs.index(SLOT)
         if kv_block > 0:
             if DIAG != 3:
                 _take_turn(turns + m, kv_block)
-            if DIAG == 0 or DIAG == 3:
+            if DIAG == 0 or DIAG == 3 or DIAG == 5:
                 for c in gl.static_range(CHUNKS):
                     _tma_reduce_add(acc_desc, [row0 + m * BLOCK_M, c * CHUNK], buf.slice(c * CHUNK, CHUNK, dim=1))
-        elif DIAG == 0 or DIAG == 3:
+        elif DIAG == 0 or DIAG == 3 or DIAG == 5:
             for c in gl.static_range(CHUNKS):
                 tma.async_copy_shared_to_global(acc_desc, [row0 + m * BLOCK_M, c * CHUNK],
                                                 buf.slice(c * CHUNK, CHUNK, dim=1))
         tma.store_wait(0)
         mbarrier.arrive(term_free.index(SLOT))
-        _pass_turn(turns + m, kv_block + 1)
+        _pass_turn(turns + m, kv_block + 1, DIAG)
 
 
 @gluon.jit
@@ -142,7 +159,8 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
              term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
              qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-             HALF_N: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr):
+             HALF_N: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr,
+             LATE: gl.constexpr):
     """KV rows ``start_n + WG * HALF_N ..``: their dK, dV and dS; and columns ``WG * D / 2 ..`` of the dQ
     term per query block: one chain over all 128 KV rows from zero, ``dS`` of warpgroup 0's rows ``@ K``
     of those rows, then warpgroup 1's, once both have left their ``dS`` in shared memory."""
@@ -174,21 +192,34 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
     zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=kv_layout)
+    # LATE: the previous query block's term, stored while this block's S^T product runs
+    prev = zero_dq
+    # the row statistics of query block m + 1 are loaded during block m: one value a thread, spread to
+    # the columns of the S^T tile when used (a per-column load would hold a 64-bit address for each of a
+    # thread's columns); +inf makes P exactly 0 on query rows past the sequence end
+    lse_next = gl.load(lse_base + q_offs, mask=q_offs < seq, other=float("inf"))
+    delta_next = gl.load(delta_base + q_offs, mask=q_offs < seq, other=0.0)
     for m in range(n_q):
         s = m % RING
         slot = m % 2
         phase = (m // 2) & 1
-        start_m = m * BLOCK_M
-        # one value a thread, then spread to the columns of the S^T tile (a per-column load would hold
-        # a 64-bit address for each of a thread's columns); +inf makes P exactly 0 on query rows past
-        # the sequence end
-        q_rows = start_m + q_offs
-        lse = gl.convert_layout(gl.load(lse_base + q_rows, mask=q_rows < seq, other=float("inf")), cols_layout)
-        delta = gl.convert_layout(gl.load(delta_base + q_rows, mask=q_rows < seq, other=0.0), cols_layout)
+        lse = gl.convert_layout(lse_next, cols_layout)
+        delta = gl.convert_layout(delta_next, cols_layout)
+        q_next = (m + 1) * BLOCK_M + q_offs
+        lse_next = gl.load(lse_base + q_next, mask=q_next < seq, other=float("inf"))
+        delta_next = gl.load(delta_base + q_next, mask=q_next < seq, other=0.0)
         mbarrier.wait(ready.index(s), (m // RING) & 1)
         q = q_bufs.index(s).reshape([BLOCK_M, D])
         do = do_bufs.index(s).reshape([BLOCK_M, D])
         st = warpgroup_mma(k_wg, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if LATE == 1:
+            if m > 0:
+                # the slot's previous term has been read by the fold warp (fresh barrier: parity 1 passes)
+                mbarrier.wait(term_free.index(slot ^ 1), (((m - 1) // 2) & 1) ^ 1)
+                if DIAG != 1:
+                    term_bufs.index(slot ^ 1).slice(WG * HALF_D, HALF_D, dim=1).store(prev + fold_start)
+                    fence_async_shared()
+                mbarrier.arrive(term_full.index(slot ^ 1))
         dpt = warpgroup_mma(v_wg, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st,))
         # KV rows past the sequence end: P = 0 (their dK / dV rows are not stored; dQ must not see them)
@@ -197,25 +228,54 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-        # dS of slot m % 2: the other warpgroup read this slot's previous dS before arriving at m - 1
-        ds_bufs.index(2 * slot + WG).store(dst)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(slot))
-        # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
-        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(s))
-        mbarrier.wait(ds_ready.index(slot), phase)
-        # the slot's previous term has been read by the fold warp (fresh barrier: parity 1 passes)
-        mbarrier.wait(term_free.index(slot), phase ^ 1)
-        term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
-                             is_async=True)
-        term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
-        term = warpgroup_mma_wait(0, deps=(term,))
-        if DIAG != 1:
-            term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(term + fold_start)
+        if LATE == 2:
+            # FA3's order: both dS in shared memory, then the term and dK; the term is stored under dK
+            ds_bufs.index(2 * slot + WG).store(dst)
             fence_async_shared()
-        mbarrier.arrive(term_full.index(slot))
+            mbarrier.arrive(ds_ready.index(slot))
+            mbarrier.wait(ds_ready.index(slot), phase)
+            term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
+                                 is_async=True)
+            term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+            done, dv = warpgroup_mma_wait(1, deps=(term, dv))
+            mbarrier.wait(term_free.index(slot), phase ^ 1)
+            if DIAG != 1:
+                term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(done + fold_start)
+                fence_async_shared()
+            mbarrier.arrive(term_full.index(slot))
+            dk = warpgroup_mma_wait(0, deps=(dk,))
+            mbarrier.arrive(empty.index(s))
+        else:
+            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+            # dS of slot m % 2: the other warpgroup read this slot's previous dS before arriving at m - 1
+            ds_bufs.index(2 * slot + WG).store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(slot))
+            # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(s))
+            mbarrier.wait(ds_ready.index(slot), phase)
+            if not LATE:
+                mbarrier.wait(term_free.index(slot), phase ^ 1)
+            term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
+                                 is_async=True)
+            term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
+            done = warpgroup_mma_wait(0, deps=(term,))
+            if LATE:
+                prev = done
+            else:
+                if DIAG != 1:
+                    term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(done + fold_start)
+                    fence_async_shared()
+                mbarrier.arrive(term_full.index(slot))
+    if LATE == 1:
+        last = (n_q - 1) % 2
+        mbarrier.wait(term_free.index(last), (((n_q - 1) // 2) & 1) ^ 1)
+        if DIAG != 1:
+            term_bufs.index(last).slice(WG * HALF_D, HALF_D, dim=1).store(prev + fold_start)
+            fence_async_shared()
+        mbarrier.arrive(term_full.index(last))
 
     rows = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
@@ -231,10 +291,11 @@ def _compute_second(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_read
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HALF_N: gl.constexpr,
-                    RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr):
+                    RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr, LATE: gl.constexpr):
     _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready, term_full,
              term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
-             qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 1, BLOCK_M, BLOCK_N, D, HALF_N, RING, WARPS, DIAG)
+             qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 1, BLOCK_M, BLOCK_N, D, HALF_N, RING, WARPS, DIAG,
+             LATE)
 
 
 @fast_launch
@@ -245,7 +306,7 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                                    HALF_N: gl.constexpr, CHUNK: gl.constexpr, RING: gl.constexpr,
                                    COMPUTE_REGS: gl.constexpr, AGENT_REGS: gl.constexpr, DIAG: gl.constexpr,
-                                   num_warps: gl.constexpr):
+                                   LATE: gl.constexpr, num_warps: gl.constexpr):
     """One program per (KV block, sample * head) from the ticket ``Turns[0]``; ``Turns[1:]`` holds one
     turn counter per (sample * head, query block), zero at launch. ``acc_desc`` covers the fp32 dQ rows
     ``(sample * head * query blocks * BLOCK_M, D)`` in ``[BLOCK_M, CHUNK]`` boxes; they need no
@@ -292,11 +353,11 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
         (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
                     term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING,
-                    num_warps, DIAG)),
+                    num_warps, DIAG, LATE)),
         (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty,
                            ds_ready, term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q,
                            pid_n, qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N,
-                           RING, num_warps, DIAG)),
+                           RING, num_warps, DIAG, LATE)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
                    b, h * D, start_n, n_q, BLOCK_M, RING)),
         (_folder, (acc_desc, term_bufs, term_full, term_free, head_turns, head_rows, pid_n, n_q, BLOCK_M, CHUNK,
@@ -335,7 +396,8 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                            lse2: torch.Tensor, delta: torch.Tensor, scale: float, head_group: int,
-                           diag: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           diag: int = 0, late: int = LATE_TERM
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` (contiguous, like ``q``) for TMA-eligible bf16 / fp16 ``(B, S, heads, 128)``
     operands. Trusted inputs (:func:`flowlock.ops.attention.triton.attention_bwd` validated them).
     Programs take tickets in groups of ``head_group`` heads (sample * head), a group's KV blocks in
@@ -358,7 +420,7 @@ def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
         acc_desc, lse2, delta, dk, dv, turns, seq, heads, bh, kv_blocks, head_group, scale * LOG2E, scale,
         *dq.stride()[:3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=HEAD_DIM, HALF_N=HALF_N, CHUNK=CHUNK, RING=RING,
-        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag,
+        COMPUTE_REGS=COMPUTE_REGS, AGENT_REGS=AGENT_REGS, DIAG=diag, LATE=late,
         num_warps=COMPUTE_WARPS)
     _dq_from_acc_kernel[(n_q, bh)](acc, dq, seq, heads, n_q * BLOCK_M, scale, *dq.stride()[:3],
                                    BLOCK=BLOCK_M, D=dim, num_warps=4)

@@ -1,0 +1,80 @@
+"""Where the one-pass Gluon attention backward's time goes: its variants against the frozen separate
+kernels and cuDNN's backward in one process (56 heads x 128, bf16, batch 1; queued medians of 10,
+alternating order). Prints one JSON row per sequence length.
+
+Variants (``gluon_bwd.attention_bwd_one_pass`` arguments): ``ordL`` stores the dQ term at
+``LATE_TERM = L`` (0 after its product, 1 under the next block's S^T product, 2 under dK's product);
+``_gG`` tickets in groups of G heads; the diagnostic switches
+(wrong bits by design) ``_notma`` (DIAG 4: the term stored to shared memory, never sent to the TMA
+unit), ``_readpass`` (DIAG 5: turns passed once the TMA unit has read the term, FA3's protocol),
+``_nofold`` (DIAG 1: no term store, no traffic). ``bits_dq_dk_dv`` compares each ordered variant with
+``ord0`` bit for bit (they compute the same sums). The bits against the separate kernels are the GPU
+test's (``tests/ops/test_attention_gluon_bwd_gpu.py``).
+
+    PYTHONPATH=src TRITON_INTERPRET=0 python benchmarks/one_pass_diagnostics.py [--skip-gate]
+
+It refuses to time a kernel whose GPU bits test fails (the gate; ``--skip-gate`` when it just ran).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from bench_attention import alternating_medians, bitwise, inputs, sdpa
+from torch.nn.attention import SDPBackend
+
+from flowlock.ops.attention import gluon_bwd
+from flowlock.ops.attention.triton import attention_bwd, attention_fwd
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQS_AND_GROUPS = ((4253, (4, 8, 16)), (16384, (1, 2, 4)), (925, (8, 16, 56)))
+
+
+def row(seq: int, groups: tuple[int, ...], iters: int = 10) -> dict:
+    q, k, v, do = inputs(1, seq, 56, 128, seed=seq)
+    scale = 128 ** -0.5
+    with torch.no_grad():
+        out, lse2 = attention_fwd(q, k, v, scale)
+    delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    cudnn_out = sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v)
+    qd, kd, vd, dod = (t.detach() for t in (q, k, v, do))
+
+    def one_pass(group: int, diag: int, late: int):
+        return lambda: gluon_bwd.attention_bwd_one_pass(qd, kd, vd, dod, lse2, delta, scale, group, diag, late)
+
+    g0 = groups[0]
+    fns = {"frozen": lambda: attention_bwd(dod, qd, kd, vd, out, lse2, scale),
+           "cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
+           **{f"ord2_g{g}": one_pass(g, 0, 2) for g in groups},
+           f"ord0_g{g0}": one_pass(g0, 0, 0),
+           f"ord1_g{g0}": one_pass(g0, 0, 1),
+           f"ord2_g{g0}_notma": one_pass(g0, 4, 2),
+           f"ord2_g{g0}_readpass": one_pass(g0, 5, 2),
+           f"ord2_g{g0}_nofold": one_pass(g0, 1, 2),
+           f"ord0_g{g0}_nofold": one_pass(g0, 1, 0)}
+    ref = fns[f"ord0_g{g0}"]()
+    ordered = [f"ord2_g{g}" for g in groups] + [f"ord1_g{g0}"]
+    bits = {n: [bitwise(x, y) for x, y in zip(fns[n](), ref)] for n in ordered}
+    ms = alternating_medians(fns, iters, 2, queued=True)
+    return {"seq": seq, "bits_dq_dk_dv": bits, "ms": ms,
+            "over_frozen": {n: round(t / ms["frozen"], 4) for n, t in ms.items()},
+            "over_cudnn": {n: round(t / ms["cudnn"], 4) for n, t in ms.items()}}
+
+
+def run_gate() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/ops/test_attention_gluon_bwd_gpu.py"]
+    if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
+        sys.exit("test gate failed: refusing to benchmark")
+
+
+if __name__ == "__main__":
+    if "--skip-gate" not in sys.argv[1:]:
+        run_gate()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for seq, groups in SEQS_AND_GROUPS:
+        print(json.dumps(row(seq, groups)), flush=True)
+        torch.cuda.empty_cache()
