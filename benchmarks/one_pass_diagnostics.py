@@ -11,11 +11,16 @@ unit), ``_readpass`` (DIAG 5: turns passed once the TMA unit has read the term, 
 ``ord0`` bit for bit (they compute the same sums). The bits against the separate kernels are the GPU
 test's (``tests/ops/test_attention_gluon_bwd_gpu.py``).
 
-    PYTHONPATH=src TRITON_INTERPRET=0 python benchmarks/one_pass_diagnostics.py [--skip-gate]
+    PYTHONPATH=src TRITON_INTERPRET=0 python benchmarks/one_pass_diagnostics.py [--skip-gate] [--baseline FILE]
+
+``--baseline FILE`` also times another version of ``gluon_bwd.py`` (``base_gG``, its default order) in
+the same process, e.g. the measured kernel from ``git show e364a1b:src/flowlock/ops/attention/gluon_bwd.py``;
+its bits are compared with ``ord0`` too.
 
 It refuses to time a kernel whose GPU bits test fails (the gate; ``--skip-gate`` when it just ran).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,10 +35,13 @@ from flowlock.ops.attention import gluon_bwd
 from flowlock.ops.attention.triton import attention_bwd, attention_fwd
 
 ROOT = Path(__file__).resolve().parents[1]
-SEQS_AND_GROUPS = ((4253, (4, 8, 16)), (16384, (1, 2, 4)), (925, (8, 16, 56)))
+# every ticket grouping at every length (one grouping must serve every S); the diagnostics at the
+# grouping 38cafee measured best at that S
+GROUPS = (1, 2, 4, 8, 16)
+SEQS_AND_DIAG_GROUP = ((4253, 4), (16384, 1), (925, 8))
 
 
-def row(seq: int, groups: tuple[int, ...], iters: int = 10) -> dict:
+def row(seq: int, g0: int, baseline=None, groups: tuple[int, ...] = GROUPS, iters: int = 10) -> dict:
     q, k, v, do = inputs(1, seq, 56, 128, seed=seq)
     scale = 128 ** -0.5
     with torch.no_grad():
@@ -45,7 +53,6 @@ def row(seq: int, groups: tuple[int, ...], iters: int = 10) -> dict:
     def one_pass(group: int, diag: int, late: int):
         return lambda: gluon_bwd.attention_bwd_one_pass(qd, kd, vd, dod, lse2, delta, scale, group, diag, late)
 
-    g0 = groups[0]
     fns = {"frozen": lambda: attention_bwd(dod, qd, kd, vd, out, lse2, scale),
            "cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
            **{f"ord2_g{g}": one_pass(g, 0, 2) for g in groups},
@@ -55,8 +62,11 @@ def row(seq: int, groups: tuple[int, ...], iters: int = 10) -> dict:
            f"ord2_g{g0}_readpass": one_pass(g0, 5, 2),
            f"ord2_g{g0}_nofold": one_pass(g0, 1, 2),
            f"ord0_g{g0}_nofold": one_pass(g0, 1, 0)}
+    if baseline is not None:
+        fns.update({f"base_g{g}": (lambda g=g: baseline.attention_bwd_one_pass(qd, kd, vd, dod, lse2, delta, scale, g))
+                    for g in groups})
     ref = fns[f"ord0_g{g0}"]()
-    ordered = [f"ord2_g{g}" for g in groups] + [f"ord1_g{g0}"]
+    ordered = [f"ord2_g{g}" for g in groups] + [f"ord1_g{g0}"] + [n for n in fns if n.startswith("base_")]
     bits = {n: [bitwise(x, y) for x, y in zip(fns[n](), ref)] for n in ordered}
     ms = alternating_medians(fns, iters, 2, queued=True)
     return {"seq": seq, "bits_dq_dk_dv": bits, "ms": ms,
@@ -71,10 +81,19 @@ def run_gate() -> None:
         sys.exit("test gate failed: refusing to benchmark")
 
 
+def load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("gluon_bwd_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 if __name__ == "__main__":
-    if "--skip-gate" not in sys.argv[1:]:
+    args = sys.argv[1:]
+    if "--skip-gate" not in args:
         run_gate()
+    baseline = load_baseline(args[args.index("--baseline") + 1]) if "--baseline" in args else None
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    for seq, groups in SEQS_AND_GROUPS:
-        print(json.dumps(row(seq, groups)), flush=True)
+    for seq, g0 in SEQS_AND_DIAG_GROUP:
+        print(json.dumps(row(seq, g0, baseline)), flush=True)
         torch.cuda.empty_cache()
