@@ -1,11 +1,13 @@
 """Compile flowlock's true-fp32 GEMM kernels (and the AdaLN table's d_act, whose FP32 gradient
-multiplies bf16 weights in fp32) for sm90 on this machine (no GPU: Triton's own
-pipeline up to TTGIR) and print, as JSON, each kernel's ``tt.dot`` ops: result, accumulator operand
-and whether that is a zero constant.
+multiplies bf16 weights in fp32), and the attention dQ kernel's per-KV-block fold (``DQ_FOLD``), for
+sm90 on this machine (no GPU: Triton's own pipeline up to TTGIR) and print, as JSON, each kernel's
+``tt.dot`` ops (``ttng.warp_group_dot``, the wgmma, for bf16): result, accumulator operand and whether
+that is a zero constant.
 
 A dot with a zero accumulator means the kernel's compensated block fold survived Triton's combine
 pass (which rewrites ``acc + tl.dot(a, b)`` into ``tl.dot(a, b, acc)``). The ``control`` kernel
-folds plainly and must come out combined, which shows the probe sees the rewrite. Run with
+folds plainly and must come out combined, which shows the probe sees the rewrite; the chained dQ
+kernel (``DQ_FOLD=0``) is the same control for the wgmma products. Run with
 ``TRITON_INTERPRET`` unset (an interpreted kernel cannot be compiled).
 """
 
@@ -19,6 +21,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from flowlock.ops.adaln import triton as adaln_kernels
+from flowlock.ops.attention import triton as attention_kernels
 from flowlock.ops.linear import triton as linear_kernels
 
 
@@ -50,7 +53,7 @@ def _dots(text: str) -> list[dict]:
     zeros = set(re.findall(r"(%[\w.]+) = arith\.constant dense<0\.000000e\+00>", text))
     found = []
     for line in text.splitlines():
-        m = re.search(r"(%[\w.]+) = tt\.dot (%[\w.]+), (%[\w.]+), (%[\w.]+)", line)
+        m = re.search(r"(%[\w.]+) = (?:tt\.dot|ttng\.warp_group_dot) (%[\w.]+), (%[\w.]+), (%[\w.]+)", line)
         if m:
             found.append({"out": m.group(1), "acc": m.group(4), "zero_acc": m.group(4) in zeros})
     return found
@@ -82,6 +85,15 @@ def main() -> None:
                                        {"g_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
                                         "N": "i32", "E": "i32"},
                                        dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=512, SPLIT=True))}
+    # the attention dQ kernel's DQ_FOLD: each KV block's term from zero, then one flushing addition
+    attention_sig = dict.fromkeys(("Q", "K", "V", "dOut", "dQ"), "*bf16")
+    attention_sig.update(dict.fromkeys(("Lse2", "Delta"), "*fp32"), seq="i32", heads="i32", qk_scale="fp32",
+                         sm_scale="fp32")
+    attention_sig.update(dict.fromkeys((f"stride_{t}{a}" for t in "qkvdg" for a in "bsh"), "i32"))
+    # (bf16 products become wgmma, ttng.warp_group_dot); its chained order is the second control
+    attention = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_D=128, HEAD_DIM=128, UPCAST=False, TMA=False, DP_FIRST=False)
+    for name, fold in (("attention_dq_fold", True), ("control_attention_dq_chain", False)):
+        cases[name] = (attention_kernels._attention_bwd_dq_kernel, attention_sig, dict(attention, DQ_FOLD=fold))
     for units, flat in ((0, False), (1024, False), (1024, True)):
         cases[f"linear_tma_unit{units}{'_flat' if flat else ''}"] = (
             linear_kernels._linear_gemm_tma_kernel, tma_sig,

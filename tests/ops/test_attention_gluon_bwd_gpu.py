@@ -2,7 +2,8 @@
 the frozen Triton dK/dV kernel's bits, dQ is the Triton dQ kernel's with ``DQ_FOLD=1`` on 128-row KV
 blocks (per-block terms from zero, folded in ascending order), compared as raw bits at sequence lengths
 with a partial last KV and query block (925, 4253, 65, 1), whole blocks (4096, 64), two samples, views of
-a fused qkv projection, bf16 and fp16; repeated launches agree, and a sample alone equals itself in a batch.
+a fused qkv projection, bf16 and fp16, and gradients small enough that the fold's sums are subnormal
+(both flush them); repeated launches agree, and a sample alone equals itself in a batch.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gluon_bwd_gpu.py
 """
@@ -66,11 +67,27 @@ def test_one_pass_gives_the_folded_triton_bits(batch, seq, fused, dtype):
                                     f"max |diff| {(a.float() - b.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("seq", [200, 925])
+def test_one_pass_flushes_subnormals_like_the_folded_triton_kernel(seq):
+    """dO at the bottom of bf16's normal range makes dS, the dQ terms and their running sums fp32
+    subnormals: the TMA unit's reductions flush them, and the Triton fold (``add.rn.ftz.f32``) must too."""
+    q, k, v, dout = _operands(1, seq, torch.bfloat16, False)
+    dout = (dout.float() * 2.0 ** -126).to(torch.bfloat16)
+    out, lse2 = at.attention_fwd(q, k, v, SCALE)
+    want = _triton_fold(q, k, v, dout, out, lse2)
+    got = _one_pass(q, k, v, dout, out, lse2)
+    tiny = want[0].float().abs()
+    assert ((tiny > 0) & (tiny < 2.0 ** -126)).any(), "no subnormal dQ: the case does not reach the flush"
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        differ = (a.view(torch.int16) != b.view(torch.int16)).sum().item()
+        assert bitwise_equal(a, b), f"{name} S={seq}: {differ} elements differ"
+
+
 def test_one_pass_repeats_and_is_batch_invariant():
     q, k, v, dout = _operands(2, 4253, torch.bfloat16, False, heads=16)
     out, lse2 = at.attention_fwd(q, k, v, SCALE)
     first = _one_pass(q, k, v, dout, out, lse2)
-    for _ in range(50):
+    for _ in range(1000):
         assert all(bitwise_equal(a, b) for a, b in zip(_one_pass(q, k, v, dout, out, lse2), first)), "repeat"
     one = [t[1:2].contiguous() for t in (q, k, v, dout)]
     o1, l1 = at.attention_fwd(*one[:3], SCALE)

@@ -54,12 +54,25 @@ def add_compensated(acc, comp, part):
 
 
 @triton.jit
-def keep_apart(x):
-    """``x`` unchanged, through an op the combine pass cannot see through: ``keep_apart(tl.dot(a, b)) + c``
-    stays a product from zero and one addition instead of becoming ``tl.dot(a, b, c)``."""
+def _flush_subnormal(x):
+    """``x`` with fp32 subnormals replaced by a zero of their sign (``x * 0.0`` keeps the sign)."""
+    return tl.where(tl.abs(x) < 1.1754943508222875e-38, x * 0.0, x)
+
+
+@triton.jit
+def fold_add(acc, term):
+    """``acc + term`` in fp32, rounded to nearest, with subnormal operands and sum flushed to a zero of
+    their sign: the addition of the TMA unit's bulk reductions (``cp.reduce.async.bulk .add.f32``), so a
+    dQ fold done by TMA reductions and one done in registers give the same bits.
+
+    Compiled, it is one ``add.rn.ftz.f32``, which the combine pass cannot see through:
+    ``fold_add(c, tl.dot(a, b))`` stays a product from zero and one addition instead of becoming
+    ``tl.dot(a, b, c)``. Interpreted, the flush is explicit."""
     if NATIVE:
-        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-    return x
+        return tl.inline_asm_elementwise("add.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [acc, term], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return _flush_subnormal(_flush_subnormal(acc) + _flush_subnormal(term))
 
 
 # tl.dot when the kernels are compiled; the BLAS-free product when @triton.jit made interpreted

@@ -19,10 +19,10 @@ seven: their dQ kernel computes ``S`` and ``dP`` again). Partitions of a program
   was, and the turn is passed on once the addition has completed. A small kernel then scales and
   rounds the fp32 rows into dQ.
 
-Where a warpgroup stores its half of the term (``LATE_TERM``): 0 right after the term's product (the
-order measured in 38cafee), 1 under the next block's S^T product, 2 (FA3's order) issuing the term
-before dK and storing it while dK runs; the next query block's row statistics are loaded a block
-ahead. 1 and 2 compute the same sums as 0 and are not yet measured on a GPU.
+Where a warpgroup stores its half of the term (``LATE_TERM``): 1 (in use) under the next query block's
+S^T product, 0 right after the term's product. Measured on an H100 (c12df11): 0.915-0.926 of the frozen
+separate kernels' time at 1, 0.926-0.946 at 0; FA3's order (the term issued before dK and stored under
+it) ran at 0.93-1.01 and was removed. The next query block's row statistics are loaded a block ahead.
 
 ``diag`` (0 in use) switches parts off to see where the time goes, with wrong bits by design: 1 no
 term store and no fold traffic, 3 the fold without turns, 4 the term stored but never sent to the TMA
@@ -32,11 +32,12 @@ unit, 5 passes the turn once the TMA unit has read the term (FA3's protocol; no 
 Bits (the contract of :mod:`flowlock.ops.attention.triton` for ``DQ_FOLD=1``): dK and dV are the
 Triton dK/dV kernel's at its frozen tiles (64 query rows a step, the same products from the same
 operands in the same order). dQ is the sum, in ascending KV-block order, of per-128-KV-row terms each
-computed from zero (``P`` zero on KV rows past ``S``), starting from zero, scaled and rounded once:
-what the Triton dQ kernel computes with ``DQ_FOLD=1`` and 128-row KV blocks, except that the TMA
-unit's fp32 additions flush subnormal operands and sums to zero (values no dQ sum of H3 comes near;
-a contract on this order would state it). The order is a constant of the kernel: neither the batch,
-the head count, the token count's tiling, the ticket grouping nor the SM count moves it.
+computed from zero (``P`` zero on KV rows past ``S``), starting from +0, every addition flushing
+subnormal operands and sums to a zero of their sign (the TMA unit's fp32 reduction; the first, done
+in registers, is an ``add.rn.ftz.f32``), scaled and rounded once: what the Triton dQ kernel computes
+with ``DQ_FOLD=1`` and 128-row KV blocks (:func:`flowlock.ops._dot.fold_add`). The order is a constant
+of the kernel: neither the batch, the head count, the token count's tiling, the ticket grouping nor the
+SM count moves it.
 
 Programs take their (KV block, sample * head) from a launch-wide ticket (see :mod:`flowlock.ops._turns`):
 the program a turn waits for has always started.
@@ -69,9 +70,8 @@ BLOCK_M, BLOCK_N, HEAD_DIM, RING = 64, 128, 128, 2
 HALF_N, CHUNK = BLOCK_N // 2, 32
 # Warps and registers: compute warpgroups (the default partition and one worker), then the loader and fold warps.
 COMPUTE_WARPS, COMPUTE_REGS, AGENT_REGS = 4, 240, 24
-# Where the term is stored: 0 after its product, 1 under the next block's S^T product, 2 under dK's
-# product (FA3's order: the term is issued before dK).
-LATE_TERM = 2
+# Where the term is stored: 0 after its product, 1 under the next block's S^T product (the faster, c12df11).
+LATE_TERM = 1
 
 
 @builtin
@@ -80,6 +80,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     like a TMA store; fp32 adds flush subnormals). Triton 3.6 builds the op but gives Gluon no wrapper."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _fold_add(acc, term):
+    """``acc + term`` as one ``add.rn.ftz.f32`` (subnormal operands and sum flushed to a zero of their
+    sign): :func:`flowlock.ops._dot.fold_add`, the TMA reduction's own addition."""
+    return gl.inline_asm_elementwise("add.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [acc, term], dtype=gl.float32,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -155,6 +163,20 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
 
 
 @gluon.jit
+def _leave_term(term_bufs, term_free, term_full, term, fold_start, m, WG: gl.constexpr, HALF_D: gl.constexpr,
+                DIAG: gl.constexpr):
+    """Leave this warpgroup's half of query block ``m``'s term (fp32, from zero) in term slot ``m % 2`` for
+    its fold warp, once the fold warp has read the slot's previous term (a fresh barrier: parity 1
+    passes). The store is the fold's first addition, ``fold_start + term``, flushing like the rest."""
+    slot = m % 2
+    mbarrier.wait(term_free.index(slot), ((m // 2) & 1) ^ 1)
+    if DIAG != 1:
+        term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(_fold_add(fold_start, term))
+        fence_async_shared()
+    mbarrier.arrive(term_full.index(slot))
+
+
+@gluon.jit
 def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready, term_full,
              term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
              qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
@@ -192,7 +214,7 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
     zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=kv_layout)
-    # LATE: the previous query block's term, stored while this block's S^T product runs
+    # the last query block's term (LATE == 1 stores it while the next block's S^T product runs)
     prev = zero_dq
     # the row statistics of query block m + 1 are loaded during block m: one value a thread, spread to
     # the columns of the S^T tile when used (a per-column load would hold a 64-bit address for each of a
@@ -214,12 +236,7 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
         st = warpgroup_mma(k_wg, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if LATE == 1:
             if m > 0:
-                # the slot's previous term has been read by the fold warp (fresh barrier: parity 1 passes)
-                mbarrier.wait(term_free.index(slot ^ 1), (((m - 1) // 2) & 1) ^ 1)
-                if DIAG != 1:
-                    term_bufs.index(slot ^ 1).slice(WG * HALF_D, HALF_D, dim=1).store(prev + fold_start)
-                    fence_async_shared()
-                mbarrier.arrive(term_full.index(slot ^ 1))
+                _leave_term(term_bufs, term_free, term_full, prev, fold_start, m - 1, WG, HALF_D, DIAG)
         dpt = warpgroup_mma(v_wg, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st,))
         # KV rows past the sequence end: P = 0 (their dK / dV rows are not stored; dQ must not see them)
@@ -228,54 +245,23 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        if LATE == 2:
-            # FA3's order: both dS in shared memory, then the term and dK; the term is stored under dK
-            ds_bufs.index(2 * slot + WG).store(dst)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(slot))
-            mbarrier.wait(ds_ready.index(slot), phase)
-            term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
-                                 is_async=True)
-            term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-            done, dv = warpgroup_mma_wait(1, deps=(term, dv))
-            mbarrier.wait(term_free.index(slot), phase ^ 1)
-            if DIAG != 1:
-                term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(done + fold_start)
-                fence_async_shared()
-            mbarrier.arrive(term_full.index(slot))
-            dk = warpgroup_mma_wait(0, deps=(dk,))
-            mbarrier.arrive(empty.index(s))
-        else:
-            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-            # dS of slot m % 2: the other warpgroup read this slot's previous dS before arriving at m - 1
-            ds_bufs.index(2 * slot + WG).store(dst)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(slot))
-            # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(s))
-            mbarrier.wait(ds_ready.index(slot), phase)
-            if not LATE:
-                mbarrier.wait(term_free.index(slot), phase ^ 1)
-            term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
-                                 is_async=True)
-            term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
-            done = warpgroup_mma_wait(0, deps=(term,))
-            if LATE:
-                prev = done
-            else:
-                if DIAG != 1:
-                    term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(done + fold_start)
-                    fence_async_shared()
-                mbarrier.arrive(term_full.index(slot))
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+        # dS of slot m % 2: the other warpgroup read this slot's previous dS before arriving at m - 1
+        ds_bufs.index(2 * slot + WG).store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(slot))
+        # the dQ term waits for dV and dK: their operands then leave registers for its accumulator
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(s))
+        mbarrier.wait(ds_ready.index(slot), phase)
+        term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
+                             is_async=True)
+        term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
+        prev = warpgroup_mma_wait(0, deps=(term,))
+        if LATE == 0:
+            _leave_term(term_bufs, term_free, term_full, prev, fold_start, m, WG, HALF_D, DIAG)
     if LATE == 1:
-        last = (n_q - 1) % 2
-        mbarrier.wait(term_free.index(last), (((n_q - 1) // 2) & 1) ^ 1)
-        if DIAG != 1:
-            term_bufs.index(last).slice(WG * HALF_D, HALF_D, dim=1).store(prev + fold_start)
-            fence_async_shared()
-        mbarrier.arrive(term_full.index(last))
+        _leave_term(term_bufs, term_free, term_full, prev, fold_start, n_q - 1, WG, HALF_D, DIAG)
 
     rows = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))

@@ -45,14 +45,16 @@ kernels on an H200 (docs/performance.md). ``FUSED_DQ=2`` computes each block's t
 the turn and adds it after: the bits of the dQ kernel with ``DQ_FOLD=1`` at the same KV block width.
 
 ``DQ_FOLD=1`` in the dQ config sums dQ as per-KV-block terms, each from zero, added in ascending KV
-order (one fp32 addition per block), instead of one chain of products over all KV rows: the order a
-program that owns one KV block and adds its term in turn can reproduce. Under the interpreter both
-orders are the same (its products are always summed from zero and then added).
+order from +0 (one fp32 addition per block, flushing subnormal operands and sums to a zero of their
+sign, :func:`flowlock.ops._dot.fold_add`: the TMA unit's reduction), instead of one chain of products
+over all KV rows: the order a program that owns one KV block and adds its term in turn can reproduce.
+Under the interpreter the two orders differ only in that flush (its products are always summed from
+zero and then added).
 
 ``ONE_PASS=G`` (G > 0) in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper,
 D = 128, bf16 / fp16, every operand TMA-eligible), its programs ticketed in groups of G heads: dK and
-dV with this module's dK/dV bits, dQ with the dQ kernel's ``DQ_FOLD=1`` bits on 128-row KV blocks
-(its fold's additions flush subnormals), from one pass. Operands it does not serve run the
+dV with this module's dK/dV bits, dQ with the dQ kernel's ``DQ_FOLD=1`` bits on 128-row KV blocks,
+from one pass. Operands it does not serve run the
 separate kernels under the dQ config given.
 """
 
@@ -68,7 +70,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flowlock.config import LaunchConfig, launch_config
 from flowlock.keys import arch_of
-from flowlock.ops._dot import dot_f32, keep_apart
+from flowlock.ops._dot import dot_f32, fold_add
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
@@ -269,14 +271,14 @@ def _dq_turn(ds, k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_s
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     if FUSED_DQ == 2:
-        part = keep_apart(_mma(ds, k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST))
+        part = _mma(ds, k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST)
     turn = turns + start_m // BLOCK_M
     # the rows' address depends on the value the wait returns (equal to kv_block), so the buffer
     # is read after the turn arrives whatever the compiler reorders
     rows = start_m + offs_m + (wait_turn(turn, kv_block) - kv_block)
     acc_ptrs = dq_acc + rows.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :]
     if FUSED_DQ == 2:
-        acc = tl.load(acc_ptrs, cache_modifier=".cg") + part
+        acc = fold_add(tl.load(acc_ptrs, cache_modifier=".cg"), part)
     else:
         acc = _mma(ds, k, tl.load(acc_ptrs, cache_modifier=".cg"), UPCAST)
     tl.store(acc_ptrs, acc, mask=(kv_block != last_kv) & (offs_m >= 0)[:, None])
@@ -372,9 +374,9 @@ def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stri
         dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     ds = p * (dp - delta[:, None])
     if DQ_FOLD:
-        # the block's term from zero, then one fp32 addition (keep_apart stops the compiler from
-        # issuing the product onto dq, which would be the chained order)
-        return dq + keep_apart(_mma(ds.to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST))
+        # the block's term from zero, then one flushing fp32 addition (the TMA unit's; fold_add also
+        # stops the compiler from issuing the product onto dq, which would be the chained order)
+        return fold_add(dq, _mma(ds.to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST))
     return _mma(ds.to(k.dtype), k, dq, UPCAST)
 
 
