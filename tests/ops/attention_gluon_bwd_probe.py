@@ -39,7 +39,6 @@ def main() -> None:
                       "fold_adds": sorted(set(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.[\w:.]+", ptx))),
                       "turn_release_after_completion": bool(re.search(
                           r"cp\.async\.bulk\.wait_group 0;[^\n]*fence\.acq_rel\.gpu;[^\n]*st\.relaxed\.gpu", ptx)),
-                      "term_store_flushes": "add.rn.ftz.f32" in ptx,
                       "wgmma_serialized": "wgmma.mma_async instructions are serialized" in info,
                       "registers": sorted(set(map(int, re.findall(r"Used (\d+) registers", info))))}))
 

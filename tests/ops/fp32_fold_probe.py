@@ -85,7 +85,7 @@ def main() -> None:
                                        {"g_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
                                         "N": "i32", "E": "i32"},
                                        dict(BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, CHUNK_N=512, SPLIT=True))}
-    # the attention dQ kernel's DQ_FOLD: each KV block's term from zero, then one flushing addition
+    # the attention dQ kernel's DQ_FOLD: each KV block's term from zero, then one fp32 addition
     attention_sig = dict.fromkeys(("Q", "K", "V", "dOut", "dQ"), "*bf16")
     attention_sig.update(dict.fromkeys(("Lse2", "Delta"), "*fp32"), seq="i32", heads="i32", qk_scale="fp32",
                          sm_scale="fp32")

@@ -3,7 +3,7 @@ the frozen Triton dK/dV kernel's bits, dQ is the Triton dQ kernel's with ``DQ_FO
 blocks (per-block terms from zero, folded in ascending order), compared as raw bits at sequence lengths
 with a partial last KV and query block (925, 4253, 65, 1), whole blocks (4096, 64), two samples, views of
 a fused qkv projection, bf16 and fp16, and gradients small enough that the fold's sums are subnormal
-(both flush them); repeated launches agree, and a sample alone equals itself in a batch.
+(both keep them); repeated launches agree, and a sample alone equals itself in a batch.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gluon_bwd_gpu.py
 """
@@ -68,16 +68,17 @@ def test_one_pass_gives_the_folded_triton_bits(batch, seq, fused, dtype):
 
 
 @pytest.mark.parametrize("seq", [200, 925])
-def test_one_pass_flushes_subnormals_like_the_folded_triton_kernel(seq):
+def test_one_pass_adds_subnormals_like_the_folded_triton_kernel(seq):
     """dO at the bottom of bf16's normal range makes dS, the dQ terms and their running sums fp32
-    subnormals: the TMA unit's reductions flush them, and the Triton fold (``add.rn.ftz.f32``) must too."""
+    subnormals: the TMA unit's ``.add.f32`` reductions and the Triton fold's ``add.rn.f32`` must treat
+    them alike (both keep them; an ``add.rn.ftz.f32`` fold differed in 17-3722 elements on an H100)."""
     q, k, v, dout = _operands(1, seq, torch.bfloat16, False)
     dout = (dout.float() * 2.0 ** -126).to(torch.bfloat16)
     out, lse2 = at.attention_fwd(q, k, v, SCALE)
     want = _triton_fold(q, k, v, dout, out, lse2)
     got = _one_pass(q, k, v, dout, out, lse2)
     tiny = want[0].float().abs()
-    assert ((tiny > 0) & (tiny < 2.0 ** -126)).any(), "no subnormal dQ: the case does not reach the flush"
+    assert ((tiny > 0) & (tiny < 2.0 ** -126)).any(), "no subnormal dQ: the case misses the subnormal range"
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         differ = (a.view(torch.int16) != b.view(torch.int16)).sum().item()
         assert bitwise_equal(a, b), f"{name} S={seq}: {differ} elements differ"

@@ -54,25 +54,18 @@ def add_compensated(acc, comp, part):
 
 
 @triton.jit
-def _flush_subnormal(x):
-    """``x`` with fp32 subnormals replaced by a zero of their sign (``x * 0.0`` keeps the sign)."""
-    return tl.where(tl.abs(x) < 1.1754943508222875e-38, x * 0.0, x)
-
-
-@triton.jit
 def fold_add(acc, term):
-    """``acc + term`` in fp32, rounded to nearest, with subnormal operands and sum flushed to a zero of
-    their sign: the addition of the TMA unit's bulk reductions (``cp.reduce.async.bulk .add.f32``), so a
-    dQ fold done by TMA reductions and one done in registers give the same bits.
+    """``acc + term``: one IEEE fp32 addition, rounded to nearest, subnormals kept (the addition of the
+    TMA unit's ``.add.f32`` bulk reductions, which keep them too: the one-pass attention backward's GPU
+    test feeds it subnormal sums), as a step of a fold of per-block terms.
 
-    Compiled, it is one ``add.rn.ftz.f32``, which the combine pass cannot see through:
-    ``fold_add(c, tl.dot(a, b))`` stays a product from zero and one addition instead of becoming
-    ``tl.dot(a, b, c)``. Interpreted, the flush is explicit."""
+    Compiled, it is one ``add.rn.f32`` the combine pass cannot see through: ``fold_add(c, tl.dot(a, b))``
+    stays a product from zero and one addition instead of becoming ``tl.dot(a, b, c)``."""
     if NATIVE:
-        return tl.inline_asm_elementwise("add.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [acc, term], dtype=tl.float32,
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [acc, term], dtype=tl.float32,
                                          is_pure=True, pack=1)
     else:
-        return _flush_subnormal(_flush_subnormal(acc) + _flush_subnormal(term))
+        return acc + term
 
 
 # tl.dot when the kernels are compiled; the BLAS-free product when @triton.jit made interpreted

@@ -32,10 +32,11 @@ unit, 5 passes the turn once the TMA unit has read the term (FA3's protocol; no 
 Bits (the contract of :mod:`flowlock.ops.attention.triton` for ``DQ_FOLD=1``): dK and dV are the
 Triton dK/dV kernel's at its frozen tiles (64 query rows a step, the same products from the same
 operands in the same order). dQ is the sum, in ascending KV-block order, of per-128-KV-row terms each
-computed from zero (``P`` zero on KV rows past ``S``), starting from +0, every addition flushing
-subnormal operands and sums to a zero of their sign (the TMA unit's fp32 reduction; the first, done
-in registers, is an ``add.rn.ftz.f32``), scaled and rounded once: what the Triton dQ kernel computes
-with ``DQ_FOLD=1`` and 128-row KV blocks (:func:`flowlock.ops._dot.fold_add`). The order is a constant
+computed from zero (``P`` zero on KV rows past ``S``), starting from +0, each added by one IEEE fp32
+addition (the TMA unit's ``.add.f32`` reduction keeps subnormals, as the GPU test with subnormal sums
+shows; the first addition, in registers, is an ``add.rn.f32``), scaled and rounded once: what the
+Triton dQ kernel computes with ``DQ_FOLD=1`` and 128-row KV blocks (:func:`flowlock.ops._dot.fold_add`).
+The order is a constant
 of the kernel: neither the batch, the head count, the token count's tiling, the ticket grouping nor the
 SM count moves it.
 
@@ -77,16 +78,17 @@ LATE_TERM = 1
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """``global[coord box] += src`` by the TMA unit (``cp.reduce.async.bulk.tensor .add``, a bulk group
-    like a TMA store; fp32 adds flush subnormals). Triton 3.6 builds the op but gives Gluon no wrapper."""
+    like a TMA store; its fp32 additions keep subnormals). Triton 3.6 builds the op but gives Gluon no
+    wrapper."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
 def _fold_add(acc, term):
-    """``acc + term`` as one ``add.rn.ftz.f32`` (subnormal operands and sum flushed to a zero of their
-    sign): :func:`flowlock.ops._dot.fold_add`, the TMA reduction's own addition."""
-    return gl.inline_asm_elementwise("add.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [acc, term], dtype=gl.float32,
+    """``acc + term`` as one ``add.rn.f32``: :func:`flowlock.ops._dot.fold_add`, the Triton fold's
+    addition, so the term's first store adds exactly as the separate kernels' fold does."""
+    return gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [acc, term], dtype=gl.float32,
                                      is_pure=True, pack=1)
 
 
@@ -167,7 +169,7 @@ def _leave_term(term_bufs, term_free, term_full, term, fold_start, m, WG: gl.con
                 DIAG: gl.constexpr):
     """Leave this warpgroup's half of query block ``m``'s term (fp32, from zero) in term slot ``m % 2`` for
     its fold warp, once the fold warp has read the slot's previous term (a fresh barrier: parity 1
-    passes). The store is the fold's first addition, ``fold_start + term``, flushing like the rest."""
+    passes). It stores ``fold_start + term``: KV block 0's is the fold's first addition."""
     slot = m % 2
     mbarrier.wait(term_free.index(slot), ((m // 2) & 1) ^ 1)
     if DIAG != 1:

@@ -45,11 +45,10 @@ kernels on an H200 (docs/performance.md). ``FUSED_DQ=2`` computes each block's t
 the turn and adds it after: the bits of the dQ kernel with ``DQ_FOLD=1`` at the same KV block width.
 
 ``DQ_FOLD=1`` in the dQ config sums dQ as per-KV-block terms, each from zero, added in ascending KV
-order from +0 (one fp32 addition per block, flushing subnormal operands and sums to a zero of their
-sign, :func:`flowlock.ops._dot.fold_add`: the TMA unit's reduction), instead of one chain of products
-over all KV rows: the order a program that owns one KV block and adds its term in turn can reproduce.
-Under the interpreter the two orders differ only in that flush (its products are always summed from
-zero and then added).
+order from +0 (one IEEE fp32 addition per block, :func:`flowlock.ops._dot.fold_add`), instead of one
+chain of products over all KV rows: the order a program that owns one KV block and adds its term in
+turn can reproduce. Under the interpreter both orders are the same (its products are always summed
+from zero and then added).
 
 ``ONE_PASS=G`` (G > 0) in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper,
 D = 128, bf16 / fp16, every operand TMA-eligible), its programs ticketed in groups of G heads: dK and
@@ -374,8 +373,8 @@ def _dq_kv_block(dq, q, do, lse, delta, k_src, v_src, b, col, start_n, seq, stri
         dp = _mma(do, tl.trans(v), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST)
     ds = p * (dp - delta[:, None])
     if DQ_FOLD:
-        # the block's term from zero, then one flushing fp32 addition (the TMA unit's; fold_add also
-        # stops the compiler from issuing the product onto dq, which would be the chained order)
+        # the block's term from zero, then one fp32 addition (fold_add stops the compiler from issuing
+        # the product onto dq, which would be the chained order)
         return fold_add(dq, _mma(ds.to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST))
     return _mma(ds.to(k.dtype), k, dq, UPCAST)
 
