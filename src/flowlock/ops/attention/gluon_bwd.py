@@ -20,10 +20,11 @@ seven: their dQ kernel computes ``S`` and ``dP`` again). Partitions of a program
   rounds the fp32 rows into dQ.
 
 Where a warpgroup stores its half of the term (``LATE_TERM``): 1 (in use) under the next query block's
-S^T product, 0 right after the term's product. Measured on an H100 (c12df11, ad403c3): at 1 with
-tickets in groups of 4 heads, 0.933 / 0.894 / 0.919 of the frozen separate kernels' time at
-S = 925 / 4253 / 16384; 0 is 1-5% slower; FA3's order (the term issued before dK and stored under it)
-ran at 0.93-1.01 and was removed. The next query block's row statistics are loaded a block ahead.
+S^T product, 0 right after the term's product. Measured on an H100 (c12df11, ad403c3, 8f93e79): at
+1, 0.84-0.96 of the frozen separate kernels' time at S = 925-32768 with the best ticket grouping
+(which follows the L2 footprint of the dQ rows, G x S x 128 x 4 bytes); 0 is 1-5% slower; FA3's
+order (the term issued before dK and stored under it) ran at 0.93-1.01 and was removed. The next
+query block's row statistics are loaded a block ahead.
 
 ``diag`` (0 in use) switches parts off to see where the time goes, with wrong bits by design: 1 no
 term store and no fold traffic, 3 the fold without turns, 4 the term stored but never sent to the TMA
