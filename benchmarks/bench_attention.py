@@ -250,12 +250,13 @@ def sweep_order(kernels: Sequence[str] = tuple(SWEEP_CANDIDATES)) -> list[tuple[
 
 
 def frozen_config(op: str, dim: int, tma: int):
-    """The frozen config of ``op`` on this GPU with its ``TMA`` key set to ``tma``."""
-    from flowlock.config import LaunchConfig, launch_config
+    """The frozen config of ``op`` on this GPU with its ``TMA`` key set to ``tma`` and no one-pass kernel
+    (``ONE_PASS=0``: a sweep times the separate Triton kernels)."""
+    from flowlock.config import launch_config
     from flowlock.keys import device_arch
 
     cfg = launch_config(op, torch.bfloat16, device_arch(torch.cuda.current_device()), (dim,))
-    return LaunchConfig(tuple((k, tma if k == "TMA" else v) for k, v in cfg.blocks), cfg.num_warps, cfg.num_stages)
+    return cfg.with_blocks(TMA=tma, **({"ONE_PASS": 0} if "ONE_PASS" in dict(cfg.blocks) else {}))
 
 
 class SweepCase:
@@ -462,29 +463,38 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
     return rows
 
 
-def one_pass(seqs, heads: int, dim: int, iters: int, head_groups: Sequence[int]) -> list[dict]:
-    """The backward with the one-pass Gluon kernel (``ONE_PASS=G`` in the dK/dV config: tickets in groups
-    of G heads) for each G in ``head_groups``, against the frozen separate kernels, the separate kernels
-    with dQ folded per 128-row KV block (the one-pass kernel's bits, checked for every G), and cuDNN's
-    backward; queued medians, alternating order."""
+def separate_configs(dim: int) -> tuple:
+    """The separate Triton backward kernels at the frozen tiles, without the one-pass kernel: the dK/dV
+    config with ``ONE_PASS=0``, the dQ config as frozen (dQ folded per 128-row KV block, the one-pass
+    kernel's bits) and the chained dQ config frozen until the one-pass switch (one fp32 chain over all
+    KV rows, 64-row KV blocks, four stages; other dQ bits), the baseline the one-pass kernel replaced."""
     from flowlock.config import launch_config
     from flowlock.keys import device_arch
 
     arch = device_arch(torch.cuda.current_device())
-    dkdv = launch_config("attention_bwd_dkdv", torch.bfloat16, arch, (dim,))
+    dkdv = launch_config("attention_bwd_dkdv", torch.bfloat16, arch, (dim,)).with_blocks(ONE_PASS=0)
+    fold_dq = launch_config("attention_bwd_dq", torch.bfloat16, arch, (dim,))
+    chained_dq = dataclasses.replace(fold_dq.with_blocks(BLOCK_N=64, DQ_FOLD=0), num_stages=4)
+    return dkdv, fold_dq, chained_dq
+
+
+def one_pass(seqs, heads: int, dim: int, iters: int, head_groups: Sequence[int]) -> list[dict]:
+    """The backward with the one-pass Gluon kernel (``ONE_PASS=G`` in the dK/dV config: tickets in groups
+    of G heads) for each G in ``head_groups``, against the frozen backward, the separate kernels with dQ
+    folded per 128-row KV block (the one-pass kernel's bits, checked for every G), the chained separate
+    kernels it replaced (:func:`separate_configs`) and cuDNN's backward; queued medians, alternating order."""
+    dkdv, fold_dq, chained_dq = separate_configs(dim)
     one_pass_dkdv = {g: dkdv.with_blocks(ONE_PASS=g) for g in head_groups}
-    # two stages: four of 128 x 128 K / V tiles beside the 128-row Q / dO exceed shared memory
-    fold_dq = dataclasses.replace(launch_config("attention_bwd_dq", torch.bfloat16, arch, (dim,))
-                                  .with_blocks(BLOCK_N=128, DQ_FOLD=1), num_stages=2)
     rows = []
     for seq in seqs:
-        rows.append(_one_pass_row(seq, heads, dim, iters, one_pass_dkdv, fold_dq))
+        rows.append(_one_pass_row(seq, heads, dim, iters, one_pass_dkdv, dkdv, fold_dq, chained_dq))
         print("one_pass", json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     return rows
 
 
-def _one_pass_row(seq: int, heads: int, dim: int, iters: int, one_pass_dkdv: dict, fold_dq) -> dict:
+def _one_pass_row(seq: int, heads: int, dim: int, iters: int, one_pass_dkdv: dict, dkdv, fold_dq,
+                  chained_dq) -> dict:
     from flowlock.ops.attention.triton import attention_bwd, attention_fwd
 
     q, k, v, do = inputs(1, seq, heads, dim, seed=seq)
@@ -496,20 +506,23 @@ def _one_pass_row(seq: int, heads: int, dim: int, iters: int, one_pass_dkdv: dic
                 for g, cfg in one_pass_dkdv.items()}
     fns = {
         "frozen": lambda: attention_bwd(do, q, k, v, out, lse2, scale),
-        "separate_fold": lambda: attention_bwd(do, q, k, v, out, lse2, scale, dq_config=fold_dq),
+        "separate_fold": functools.partial(attention_bwd, do, q, k, v, out, lse2, scale, dkdv, fold_dq),
+        "separate_chained": functools.partial(attention_bwd, do, q, k, v, out, lse2, scale, dkdv, chained_dq),
         **one_pass,
         "sdpa_cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
     }
     want = fns["separate_fold"]()
-    same = {f"{name}_bits_equal_separate_fold": bitwise(fn(), want) for name, fn in one_pass.items()}
+    same = {f"{name}_bits_equal_separate_fold": bitwise(fns[name](), want) for name in ("frozen", *one_pass)}
     ms = alternating_medians(fns, iters, 2, queued=True)
     work = 2.5 * 4.0 * seq * seq * dim * heads
     best = min(one_pass, key=ms.get)
     return {"seq": seq, **same, **{f"{n}_ms": t for n, t in ms.items()},
             **{f"{n}_tflops": work / t / 1e9 for n, t in ms.items()},
-            "one_pass_best": best, "one_pass_best_over_frozen": ms[best] / ms["frozen"],
+            "one_pass_best": best, "one_pass_best_over_separate_chained": ms[best] / ms["separate_chained"],
             "one_pass_best_over_cudnn": ms[best] / ms["sdpa_cudnn"],
-            "frozen_over_cudnn": ms["frozen"] / ms["sdpa_cudnn"]}
+            "frozen_over_separate_chained": ms["frozen"] / ms["separate_chained"],
+            "frozen_over_cudnn": ms["frozen"] / ms["sdpa_cudnn"],
+            "separate_chained_over_cudnn": ms["separate_chained"] / ms["sdpa_cudnn"]}
 
 
 SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "one_pass")

@@ -1,5 +1,6 @@
-"""Where the one-pass Gluon attention backward's time goes: its variants against the frozen separate
-kernels and cuDNN's backward in one process (56 heads x 128, bf16, batch 1; queued medians of 10,
+"""Where the one-pass Gluon attention backward's time goes: its variants against the separate kernels it
+replaced (the chained dQ, ``bench_attention.separate_configs``), the frozen backward and cuDNN's backward
+in one process (56 heads x 128, bf16, batch 1; queued medians of 10,
 alternating order). Prints one JSON row per sequence length.
 
 Variants (``gluon_bwd.attention_bwd_one_pass`` arguments): ``ordL`` stores the dQ term at
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_attention import alternating_medians, bitwise, inputs, sdpa
+from bench_attention import alternating_medians, bitwise, inputs, sdpa, separate_configs
 from torch.nn.attention import SDPBackend
 
 from flowlock.ops.attention import gluon_bwd
@@ -53,7 +54,9 @@ def row(seq: int, g0: int, baseline=None, groups: tuple[int, ...] = GROUPS, iter
     def one_pass(group: int, diag: int, late: int):
         return lambda: gluon_bwd.attention_bwd_one_pass(qd, kd, vd, dod, lse2, delta, scale, group, diag, late)
 
+    dkdv, _, chained_dq = separate_configs(128)
     fns = {"frozen": lambda: attention_bwd(dod, qd, kd, vd, out, lse2, scale),
+           "separate_chained": lambda: attention_bwd(dod, qd, kd, vd, out, lse2, scale, dkdv, chained_dq),
            "cudnn": lambda: torch.autograd.grad(cudnn_out, (q, k, v), do, retain_graph=True),
            **{f"ord1_g{g}": one_pass(g, 0, 1) for g in groups},
            f"ord0_g{g0}": one_pass(g0, 0, 0),
@@ -69,7 +72,7 @@ def row(seq: int, g0: int, baseline=None, groups: tuple[int, ...] = GROUPS, iter
     bits = {n: [bitwise(x, y) for x, y in zip(fns[n](), ref)] for n in ordered}
     ms = alternating_medians(fns, iters, 2, queued=True)
     return {"seq": seq, "bits_dq_dk_dv": bits, "ms": ms,
-            "over_frozen": {n: round(t / ms["frozen"], 4) for n, t in ms.items()},
+            "over_separate_chained": {n: round(t / ms["separate_chained"], 4) for n, t in ms.items()},
             "over_cudnn": {n: round(t / ms["cudnn"], 4) for n, t in ms.items()}}
 
 

@@ -153,6 +153,15 @@ _ATTN_SM90 = ("best of two sweeps at B=1, 56 heads, D=128, S=16384 on an H200 (b
               "TMA=1 reads q/k/v/dO through descriptors (same bits as TMA=0, the pointer loads)")
 _DP_FIRST = ("; DP_FIRST=1: backward 3% faster at S = 4096, 16384 and 32768 in the H200 sweep of 49d5e61 "
              "(same bits; no gain for dQ, which keeps the plain order)")
+# D = 128 (H3's heads, and the padded 65..127): the backward is the one-pass Gluon kernel wherever it applies, and
+# the separate kernels elsewhere compute its dQ sum (per-128-row KV-block terms in ascending order)
+_ONE_PASS = ("; ONE_PASS=2: the one-pass Gluon backward (TMA-eligible bf16 / fp16 D = 128), tickets in groups "
+             "of 2 heads, the one grouping under the separate kernels' time at every S measured on an H100 "
+             "(0.84-1.00 at S = 925..32768, attention_one_pass_h100_8f93e79.json; G = 4 / 8 are faster below "
+             "S = 16384 but 1.1-1.4x once G x S x 128 x 4 bytes of dQ rows outgrow the 50 MB L2)")
+_DQ_FOLD = ("; DQ_FOLD=1 on 128-row KV blocks: the one-pass kernel's dQ sum for the operands it does not serve "
+            "(1.08-1.12x the chained dQ's time; two stages, as four 128 x 128 K / V tiles beside the Q / dO "
+            "rows exceed shared memory)")
 _ATTN_NEW = "by design, untimed: {} (fits shared memory and registers on paper; compile and sweep on an H200)"
 for _dt in ("bf16", "fp16", "fp32"):
     for _d in (16, 32, 64, 128, 256):
@@ -168,9 +177,15 @@ for _dt in ("bf16", "fp16"):
         else:
             _note = _ATTN_SM90 if _d > 16 else _ATTN_NEW.format("D=16 takes the D=128 tiles")
         register("attention_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_note), (_d,))
-        register("attention_bwd_dkdv", _dt, "sm90", _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1,
-                                                          note=_note + _DP_FIRST), (_d,))
-        register("attention_bwd_dq", _dt, "sm90", _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_note), (_d,))
+        if _d == 128:
+            _dkdv = _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1, ONE_PASS=2,
+                         note=_note + _DP_FIRST + _ONE_PASS)
+            _dq = _cfg(8, 2, BLOCK_M=128, BLOCK_N=128, TMA=1, DQ_FOLD=1, note=_note + _DQ_FOLD)
+        else:
+            _dkdv = _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1, note=_note + _DP_FIRST)
+            _dq = _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_note)
+        register("attention_bwd_dkdv", _dt, "sm90", _dkdv, (_d,))
+        register("attention_bwd_dq", _dt, "sm90", _dq, (_d,))
     # D = 256 (and padded 136..248): half-size KV tiles keep the fp32 accumulators and staged K/V on chip
     _note = _ATTN_NEW.format("D=256 halves the KV tiles of D=128")
     register("attention_fwd", _dt, "sm90", _cfg(8, 2, BLOCK_M=64, BLOCK_N=64, TMA=1, note=_note), (256,))

@@ -1,6 +1,7 @@
-"""The one-pass Gluon attention backward (flowlock.ops.attention.gluon_bwd) on a Hopper GPU: dK and dV are
-the frozen Triton dK/dV kernel's bits, dQ is the Triton dQ kernel's with ``DQ_FOLD=1`` on 128-row KV
-blocks (per-block terms from zero, folded in ascending order), compared as raw bits at sequence lengths
+"""The one-pass Gluon attention backward (flowlock.ops.attention.gluon_bwd), the frozen sm90 backward at
+D = 128, on a Hopper GPU: dK and dV are the Triton dK/dV kernel's bits, dQ is the frozen Triton dQ
+kernel's (``DQ_FOLD=1`` on 128-row KV blocks: per-block terms from zero, folded in ascending order), at
+the frozen ticket grouping and another, compared as raw bits at sequence lengths
 with a partial last KV and query block (925, 4253, 65, 1), whole blocks (4096, 64), two samples, views of
 a fused qkv projection, bf16 and fp16, and gradients small enough that the fold's sums are subnormal
 (both keep them); repeated launches agree, and a sample alone equals itself in a batch.
@@ -8,7 +9,6 @@ a fused qkv projection, bf16 and fp16, and gradients small enough that the fold'
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gluon_bwd_gpu.py
 """
 
-import dataclasses
 
 import pytest
 import torch
@@ -40,17 +40,39 @@ def _operands(batch, seq, dtype, fused, heads=HEADS):
 
 
 def _triton_fold(q, k, v, dout, out, lse2):
-    """The separate Triton kernels with dQ folded per 128-row KV block."""
-    dq_cfg = launch_config("attention_bwd_dq", q.dtype, "sm90", (128,)).with_blocks(BLOCK_N=128, DQ_FOLD=1)
-    # two stages: four of 128 x 128 K / V tiles beside the 128-row Q / dO exceed shared memory
-    dq_cfg = dataclasses.replace(dq_cfg, num_stages=2)
-    return at.attention_bwd(dout, q, k, v, out, lse2, SCALE, dq_config=dq_cfg)
+    """The separate Triton kernels (the dK/dV config without the one-pass kernel) with the frozen dQ config,
+    which folds dQ per 128-row KV block."""
+    dkdv_cfg = launch_config("attention_bwd_dkdv", q.dtype, "sm90", (128,)).with_blocks(ONE_PASS=0)
+    dq_cfg = launch_config("attention_bwd_dq", q.dtype, "sm90", (128,))
+    assert (dq_cfg["BLOCK_N"], dq_cfg["DQ_FOLD"]) == (gluon_bwd.BLOCK_N, 1), "the frozen dQ is not the fold"
+    return at.attention_bwd(dout, q, k, v, out, lse2, SCALE, dkdv_config=dkdv_cfg, dq_config=dq_cfg)
 
 
-def _one_pass(q, k, v, dout, out, lse2):
-    """``attention_bwd`` with the one-pass kernel switched on in the dK/dV config (same delta kernel)."""
-    dkdv_cfg = launch_config("attention_bwd_dkdv", q.dtype, "sm90", (128,)).with_blocks(ONE_PASS=8)
+def _one_pass(q, k, v, dout, out, lse2, group=None):
+    """``attention_bwd`` with the frozen configs (the one-pass kernel on these operands) or, given ``group``,
+    the one-pass kernel with tickets in groups of ``group`` heads."""
+    dkdv_cfg = None
+    if group is not None:
+        dkdv_cfg = launch_config("attention_bwd_dkdv", q.dtype, "sm90", (128,)).with_blocks(ONE_PASS=group)
     return at.attention_bwd(dout, q, k, v, out, lse2, SCALE, dkdv_config=dkdv_cfg)
+
+
+def test_frozen_backward_runs_the_one_pass_kernel(monkeypatch):
+    """The frozen sm90 configs send TMA-eligible D = 128 operands to the one-pass kernel, and head-major
+    views of the same values (not TMA-eligible) to the separate kernels: the same dq, dk, dv."""
+    q, k, v, dout = _operands(1, 925, torch.bfloat16, False)
+    out, lse2 = at.attention_fwd(q, k, v, SCALE)
+    calls = []
+    real = gluon_bwd.attention_bwd_one_pass
+    monkeypatch.setattr(gluon_bwd, "attention_bwd_one_pass", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    eligible = at.attention_bwd(dout, q, k, v, out, lse2, SCALE)
+    assert len(calls) == 1, "the frozen backward did not run the one-pass kernel"
+    head_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]
+    assert not any(at.tma_eligible(t) for t in head_major)
+    other = at.attention_bwd(head_major[3], *head_major[:3], out, lse2, SCALE)
+    assert len(calls) == 1, "head-major operands reached the one-pass kernel"
+    for name, a, b in zip(("dq", "dk", "dv"), eligible, other):
+        assert bitwise_equal(a, b), f"{name}: one-pass vs separate kernels on head-major views"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -61,10 +83,11 @@ def test_one_pass_gives_the_folded_triton_bits(batch, seq, fused, dtype):
     assert all(at.tma_eligible(t) for t in (q, k, v, dout)) and gluon_bwd.applies(q)
     out, lse2 = at.attention_fwd(q, k, v, SCALE)
     want = _triton_fold(q, k, v, dout, out, lse2)
-    got = _one_pass(q, k, v, dout, out, lse2)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert bitwise_equal(a, b), f"{name} S={seq} B={batch} {dtype} fused={fused}: " \
-                                    f"max |diff| {(a.float() - b.float()).abs().max().item()}"
+    for group in (None, 8):
+        got = _one_pass(q, k, v, dout, out, lse2, group)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert bitwise_equal(a, b), f"{name} S={seq} B={batch} {dtype} fused={fused} G={group}: " \
+                                        f"max |diff| {(a.float() - b.float()).abs().max().item()}"
 
 
 @pytest.mark.parametrize("seq", [200, 925])

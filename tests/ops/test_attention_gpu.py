@@ -1,6 +1,8 @@
 """attention on a Hopper GPU (compiled Triton): the TMA-descriptor kernels give the pointer kernels'
-bits at the frozen sm90 tiles (forward out and lse2, backward dq, dk, dv; ragged tails, one token,
-fused-qkv views), the TMA path is batch-invariant, and the no-graph call equals the graphed one.
+bits at the frozen sm90 tiles (forward out and lse2; backward dq, dk, dv, where the TMA configs run the
+one-pass Gluon backward at D = 128 and the pointer configs the separate kernels with the folded dQ;
+ragged tails, one token, fused-qkv views), the TMA path is batch-invariant, and the no-graph call
+equals the graphed one.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gpu.py
 """
@@ -59,14 +61,18 @@ def test_tma_kernels_equal_pointer_kernels(b, s, h):
     assert_bitwise_equal(tma[2:], pointer[2:], f"backward dq, dk, dv at S={s}")
 
 
+def _separate(cfg, **blocks):
+    """``cfg`` with ``blocks`` set and the one-pass kernel off (``ONE_PASS=0``): the separate Triton kernels."""
+    return cfg.with_blocks(**blocks, **({"ONE_PASS": 0} if "ONE_PASS" in dict(cfg.blocks) else {}))
+
+
 def _with_dp_first(cfg, dp_first):
-    blocks = dict(cfg.blocks) | {"DP_FIRST": dp_first}
-    return LaunchConfig(tuple(sorted(blocks.items())), cfg.num_warps, cfg.num_stages)
+    return _separate(cfg, DP_FIRST=dp_first)
 
 
 @pytest.mark.parametrize("s", [77, 4096 + 33])
 def test_dp_first_order_gives_the_same_backward_bits(s):
-    """The frozen backward issues dP before the exponentials in dK/dV; both orders, both kernels."""
+    """The frozen separate kernels issue dP before the exponentials in dK/dV; both orders, both kernels."""
     inputs = _fused(1, s, 2, seed=s)
     fwd, dkdv, dq = _configs(True)
     early = _run(*inputs, fwd, _with_dp_first(dkdv, 1), _with_dp_first(dq, 1))
@@ -159,15 +165,16 @@ def test_fp16_tma_kernels_equal_pointer_kernels(d):
     assert_bitwise_equal(run(True), run(False), f"fp16 D={d} TMA vs pointer")
 
 
-# dQ added in turn by the dK/dV kernel (FUSED_DQ): on the GPU the programs run concurrently, so these
-# are the tests of the turn counters. Same bits as the separate dQ kernel at the frozen sm90 tiles and
-# at the 64 x 64 fused tile, ragged and whole lengths, two samples, with and without TMA loads; the same
-# bits over repeated calls (any arrival order of the KV blocks would show as a changed dq).
+# dQ added in turn by the dK/dV kernel (FUSED_DQ=1, a measured-slower candidate): on the GPU the programs
+# run concurrently, so these are tests of the turn counters. Same bits as the chained separate dQ kernel
+# (DQ_FOLD=0: FUSED_DQ=1 adds each block's product onto the running rows) at the frozen sm90 tiles and at
+# the 64 x 64 fused tile, ragged and whole lengths, two samples, with and without TMA loads; the same bits
+# over repeated calls (any arrival order of the KV blocks would show as a changed dq).
 def _with_fused_dq(cfg, fused, tile=None):
-    blocks = dict(cfg.blocks) | {"FUSED_DQ": fused}
+    blocks = {"FUSED_DQ": fused, "DQ_FOLD": 0}
     if tile is not None:
         blocks |= {"BLOCK_M": tile[0], "BLOCK_N": tile[1]}
-    return LaunchConfig(tuple(sorted(blocks.items())), cfg.num_warps, cfg.num_stages)
+    return _separate(cfg, **blocks)
 
 
 @pytest.mark.parametrize("b,s,h", [(2, 1, 3), (2, 77, 4), (1, 4096 + 33, 8), (1, 8192, 4)])

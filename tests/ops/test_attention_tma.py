@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import flowlock
 from flowlock.config import LaunchConfig, launch_config
 from flowlock.ops.attention import api as attention_api
-from flowlock.ops.attention import attention
+from flowlock.ops.attention import attention, gluon_bwd
 from flowlock.ops.attention import triton as attention_triton
 from flowlock.ops.attention.triton import attention_bwd, attention_fwd, tma_eligible
 from flowlock.testing import assert_bitwise_equal, bitwise_equal
@@ -151,3 +151,19 @@ def test_frozen_configs_pick_pointer_loads_on_the_interpreter_and_tma_on_sm90():
         for d in (32, 64, 128):
             assert launch_config(op, torch.bfloat16, "interp", (d,))["TMA"] == 0
             assert launch_config(op, torch.bfloat16, "sm90", (d,))["TMA"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_frozen_sm90_backward_is_one_pass_with_a_dq_kernel_of_its_sum(dtype):
+    """D = 128 backwards run the one-pass kernel, and the dQ kernel that serves the operands it does not
+    (head-major views, padded heads) sums dQ as it does: terms of its KV block width, folded (DQ_FOLD=1);
+    its dK/dV tiles are the one-pass kernel's steps. Other head dims keep the separate kernels."""
+    for d in (16, 32, 64, 128, 256):
+        dkdv = launch_config("attention_bwd_dkdv", dtype, "sm90", (d,))
+        dq = launch_config("attention_bwd_dq", dtype, "sm90", (d,))
+        if d != gluon_bwd.HEAD_DIM:
+            assert "ONE_PASS" not in dict(dkdv.blocks), f"D={d}"
+            continue
+        assert dkdv["ONE_PASS"] > 0
+        assert (dkdv["BLOCK_M"], dkdv["BLOCK_N"]) == (gluon_bwd.BLOCK_M, gluon_bwd.BLOCK_N)
+        assert (dq["DQ_FOLD"], dq["BLOCK_N"]) == (1, gluon_bwd.BLOCK_N)
