@@ -53,7 +53,9 @@ from zero and then added).
 ``ONE_PASS=G`` (G > 0) in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper,
 D = 128, bf16 / fp16, every operand TMA-eligible), its programs ticketed in groups of G heads: dK and
 dV with this module's dK/dV bits, dQ with the dQ kernel's ``DQ_FOLD=1`` bits on 128-row KV blocks,
-from one pass. Operands it does not serve run the separate kernels under the dQ config given.
+from one pass. Operands it does not serve run the separate kernels under the dQ config given. The
+frozen sm90 configs at D = 128 set ``ONE_PASS=2`` and a dQ config with ``DQ_FOLD=1`` on 128-row KV
+blocks, so both routes give one set of bits (``flowlock.config``).
 """
 
 from __future__ import annotations
