@@ -215,31 +215,23 @@ def timings(attention, seqs, heads, dim, iters, warmup) -> list[dict]:
     return rows
 
 
-# Sweep candidates (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DP_FIRST[, FUSED_DQ]), most informative first:
-# the frozen tiles, then the dK/dV kernel adding dQ in turn (FUSED_DQ, no dQ kernel; 64 x 64 tiles keep
-# its registers below a spill, 64 x 128 spill about 1 KB at two stages, measured offline), then dK/dV with
-# 32-row query blocks (the 64-row ones need all 255 registers and spill), the backward with dP issued
-# before the exponentials, then other tiles and stage counts. The last of each kernel exceed the 227 KB of
-# shared memory an sm90 program may use (measured by compiling offline for sm90): kept to show the error,
-# timed last. DP_FIRST does not apply to the forward.
+# Sweep candidates of the separate kernels (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, DP_FIRST), most
+# informative first: the frozen tiles, then dK/dV with 32-row query blocks (the 64-row ones need all 255
+# registers and spill), the backward with dP issued before the exponentials, then other tiles and stage
+# counts. dQ candidates fold per KV block as the frozen dQ config does (DQ_FOLD), so only those of its KV
+# block width keep its bits. The last of each kernel exceed the 227 KB of shared memory an sm90 program may
+# use (measured by compiling offline for sm90): kept to show the error, timed last. DP_FIRST does not apply
+# to the forward.
 SWEEP_CANDIDATES = {
     "fwd": [(128, 128, 8, 3, 1, 0), (128, 128, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0), (128, 64, 4, 3, 1, 0),
             (128, 128, 8, 2, 1, 0), (128, 128, 8, 4, 1, 0)],
-    "dkdv": [(64, 128, 8, 3, 1, 1), (64, 128, 8, 3, 1, 1, 1), (64, 128, 8, 3, 1, 1, 2), (64, 64, 8, 3, 1, 1, 1),
-             (64, 64, 8, 3, 1, 1, 2), (64, 128, 8, 2, 1, 1, 2), (64, 64, 4, 2, 1, 1, 2), (64, 64, 4, 3, 1, 1, 2),
-             (64, 64, 8, 2, 1, 1, 2), (128, 128, 8, 2, 1, 1, 2), (64, 128, 8, 2, 1, 1, 1), (64, 64, 8, 4, 1, 1, 1),
-             (64, 64, 8, 3, 1, 0, 1), (64, 64, 8, 3, 0, 1, 1), (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0),
-             (32, 128, 8, 3, 1, 1), (32, 128, 8, 4, 1, 0), (32, 128, 8, 4, 1, 1), (32, 128, 8, 2, 1, 0),
-             (64, 128, 8, 3, 0, 0), (128, 128, 8, 3, 1, 0)],
-    "dq": [(128, 64, 8, 4, 1, 0), (128, 64, 8, 4, 1, 1), (128, 64, 8, 3, 1, 1), (128, 64, 8, 3, 1, 0),
-           (128, 64, 8, 2, 1, 1), (64, 64, 4, 3, 1, 1), (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 0, 0),
-           (128, 128, 8, 3, 1, 0)],
+    "dkdv": [(64, 128, 8, 3, 1, 1), (64, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 0), (32, 128, 8, 3, 1, 1),
+             (32, 128, 8, 4, 1, 0), (32, 128, 8, 4, 1, 1), (32, 128, 8, 2, 1, 0), (64, 128, 8, 3, 0, 0),
+             (128, 128, 8, 3, 1, 0)],
+    "dq": [(128, 128, 8, 2, 1, 0), (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 1, 0), (128, 64, 8, 4, 1, 1),
+           (128, 64, 8, 3, 1, 1), (128, 64, 8, 3, 1, 0), (128, 64, 8, 2, 1, 1), (64, 64, 4, 3, 1, 1),
+           (128, 128, 8, 2, 0, 0), (128, 128, 8, 3, 1, 0)],
 }
-
-
-def candidate(cand: tuple[int, ...]) -> tuple[int, ...]:
-    """``(bm, bn, warps, stages, tma, dp_first, fused_dq)`` of a candidate (``fused_dq`` 0 when absent)."""
-    return (*cand, 0) if len(cand) == 6 else cand
 
 
 def sweep_order(kernels: Sequence[str] = tuple(SWEEP_CANDIDATES)) -> list[tuple[str, tuple[int, ...]]]:
@@ -285,9 +277,11 @@ class SweepCase:
     def call(self, kernel: str, cand: tuple[int, ...]):
         from flowlock.config import LaunchConfig
 
-        bm, bn, warps, stages, tma, dp_first, fused_dq = candidate(cand)
-        cfg = LaunchConfig((("BLOCK_M", bm), ("BLOCK_N", bn), ("DP_FIRST", dp_first), ("FUSED_DQ", fused_dq),
-                            ("TMA", tma)), num_warps=warps, num_stages=stages)
+        bm, bn, warps, stages, tma, dp_first = cand
+        blocks = {"BLOCK_M": bm, "BLOCK_N": bn, "DP_FIRST": dp_first, "TMA": tma}
+        if kernel == "dq":
+            blocks["DQ_FOLD"] = frozen_config("attention_bwd_dq", self.dim, tma)["DQ_FOLD"]
+        cfg = LaunchConfig(tuple(sorted(blocks.items())), num_warps=warps, num_stages=stages)
         if kernel == "fwd":
             return lambda: self._fwd(self.q, self.k, self.v, self.scale, cfg)
         dkdv = cfg if kernel == "dkdv" else frozen_config("attention_bwd_dkdv", self.dim, tma)
@@ -354,8 +348,7 @@ def sweep(seq: int, heads: int, dim: int, windows: int, calls: int, budget_s: fl
     t0 = time.time()
     case = SweepCase(seq, heads, dim)
     for kernel, cand in sweep_order(kernels):
-        row = {"seq": seq, "kernel": kernel, "cfg": list(cand[:4]), "tma": bool(cand[4]), "dp_first": bool(cand[5]),
-               "fused_dq": candidate(cand)[6]}
+        row = {"seq": seq, "kernel": kernel, "cfg": list(cand[:4]), "tma": bool(cand[4]), "dp_first": bool(cand[5])}
         if time.time() - t0 > budget_s:
             record({**row, "skipped": f"sweep budget of {budget_s:.0f} s spent"})
             continue
@@ -418,17 +411,15 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
            "dq": kernels._attention_bwd_dq_kernel}
     rows = []
     for kernel, cand in sweep_order():
-        bm, bn, warps, stages, tma, dp_first, fused_dq = candidate(cand)
+        bm, bn, warps, stages, tma, dp_first = cand
         fn = fns[kernel].kernel
         boxes = {"Q": bm, "dOut": bm, "K": bn, "V": bn}
         sig, hints = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in boxes and tma:
                 sig[name] = f"tensordesc<bf16[1,{boxes[name]},{dim}]>"
-            elif name in ("Lse2", "Delta", "DQAcc"):
+            elif name in ("Lse2", "Delta"):
                 sig[name] = "*fp32"
-            elif name == "Turns":
-                sig[name] = "*i32"
             elif name in ("Q", "K", "V", "Out", "dOut", "dK", "dV", "dQ"):
                 sig[name] = "*bf16"
             elif name in ("qk_scale", "sm_scale"):
@@ -440,11 +431,10 @@ def compile_check(dim: int, capability: int = 90) -> list[dict]:
         consts = {"BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": dim, "BLOCK_D": dim, "UPCAST": False, "TMA": bool(tma)}
         if kernel != "fwd":
             consts["DP_FIRST"] = bool(dp_first)
-        if kernel == "dkdv":
-            consts["FUSED_DQ"] = fused_dq
+        if kernel == "dq":
+            consts["DQ_FOLD"] = True
         sig.update(dict.fromkeys(consts, "constexpr"))
-        row = {"kernel": kernel, "cfg": [bm, bn, warps, stages], "tma": bool(tma), "dp_first": bool(dp_first),
-               "fused_dq": fused_dq}
+        row = {"kernel": kernel, "cfg": [bm, bn, warps, stages], "tma": bool(tma), "dp_first": bool(dp_first)}
         try:
             compiled = triton.compile(triton.compiler.ASTSource(fn, sig, consts, hints),
                                       target=GPUTarget("cuda", capability, 128),

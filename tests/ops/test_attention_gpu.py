@@ -163,36 +163,3 @@ def test_fp16_tma_kernels_equal_pointer_kernels(d):
         return (out, lse2, *attention_bwd(do, q, k, v, out, lse2, d ** -0.5, dkdv, dq))
 
     assert_bitwise_equal(run(True), run(False), f"fp16 D={d} TMA vs pointer")
-
-
-# dQ added in turn by the dK/dV kernel (FUSED_DQ=1, a measured-slower candidate): on the GPU the programs
-# run concurrently, so these are tests of the turn counters. Same bits as the chained separate dQ kernel
-# (DQ_FOLD=0: FUSED_DQ=1 adds each block's product onto the running rows) at the frozen sm90 tiles and at
-# the 64 x 64 fused tile, ragged and whole lengths, two samples, with and without TMA loads; the same bits
-# over repeated calls (any arrival order of the KV blocks would show as a changed dq).
-def _with_fused_dq(cfg, fused, tile=None):
-    blocks = {"FUSED_DQ": fused, "DQ_FOLD": 0}
-    if tile is not None:
-        blocks |= {"BLOCK_M": tile[0], "BLOCK_N": tile[1]}
-    return _separate(cfg, **blocks)
-
-
-@pytest.mark.parametrize("b,s,h", [(2, 1, 3), (2, 77, 4), (1, 4096 + 33, 8), (1, 8192, 4)])
-@pytest.mark.parametrize("tile", [None, (64, 64)])
-@pytest.mark.parametrize("tma", [True, False])
-def test_fused_dq_equals_separate_kernels(b, s, h, tile, tma):
-    inputs = _fused(b, s, h, seed=s)
-    fwd, dkdv, dq = _configs(tma)
-    separate = _run(*inputs, fwd, _with_fused_dq(dkdv, 0), _with_fused_dq(dq, 0))
-    fused = _with_fused_dq(dkdv, 1, tile)
-    first = _run(*inputs, fwd, fused, dq)
-    assert_bitwise_equal(first[2:], separate[2:], f"fused backward dq, dk, dv at B={b} S={s} tile={tile}")
-    for r in range(3):
-        assert_bitwise_equal(_run(*inputs, fwd, fused, dq)[2:], first[2:], f"fused backward repeat {r}")
-
-
-def test_fused_dq_batch_invariant():
-    pool = _fused(3, 333, 3, seed=4)
-    fwd, dkdv, dq = _configs(True)
-    fused = _with_fused_dq(dkdv, 1)
-    assert_batch_invariant(lambda q, k, v, do: _run(q, k, v, do, fwd, fused, dq), pool, sizes=(2, 3))

@@ -34,21 +34,11 @@ statistics and every output are written through pointers in both. A launch whose
 descriptor cannot describe (:func:`tma_eligible`, checked before the launch) runs the pointer
 variant: a fixed layout rule, never a retry after a failure, and the same bits either way.
 
-``FUSED_DQ=1`` in the dK/dV config (a sweep candidate; no frozen config sets it) folds the dQ kernel
-into the dK/dV kernel: each KV-block program adds its ``dS @ K`` to an fp32 dQ buffer when that query
-block's turn counter reaches it (``flowlock.ops._turns``), so the terms arrive in ascending KV order and
-dq, dk, dv keep the separate kernels' bits (tested on the CPU and the H200). Programs take their KV
-block and head from a ticket, the head index fastest, so the programs running at once hold the first
-KV blocks of every head and a head's turn chain is only as deep as its KV blocks in flight. The first
-measurement (KV block fastest, every KV block of a head chained) ran 2.2-3.2x slower than the separate
-kernels on an H200 (docs/performance.md). ``FUSED_DQ=2`` computes each block's term from zero before
-the turn and adds it after: the bits of the dQ kernel with ``DQ_FOLD=1`` at the same KV block width.
-
 ``DQ_FOLD=1`` in the dQ config sums dQ as per-KV-block terms, each from zero, added in ascending KV
 order from +0 (one IEEE fp32 addition per block, :func:`flowlock.ops._dot.fold_add`), instead of one
-chain of products over all KV rows: the order a program that owns one KV block and adds its term in
-turn can reproduce. Under the interpreter both orders are the same (its products are always summed
-from zero and then added).
+chain of products over all KV rows: the order in which the one-pass kernel, whose programs each own
+one KV block, adds their terms. Under the interpreter both orders are the same (its products are
+always summed from zero and then added).
 
 ``ONE_PASS=G`` (G > 0) in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper,
 D = 128, bf16 / fp16, every operand TMA-eligible), its programs ticketed in groups of G heads: dK and
@@ -74,7 +64,6 @@ from flowlock.ops._dot import dot_f32, fold_add
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
-from flowlock.ops._turns import pass_turn, take_ticket, wait_turn
 from flowlock.ops.attention import gluon_bwd
 from flowlock.ops.attention.reference import LOG2E
 
@@ -220,10 +209,9 @@ def _attention_bwd_delta_kernel(Out, dOut, Delta, seq, heads,
 
 @triton.jit
 def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
-                  stride_qs, stride_ds, qk_scale, dq_acc, dq_out, turns, kv_block, last_kv, row_ok_n, sm_scale,
-                  stride_gs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, MASK_M: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-                  DP_FIRST: tl.constexpr, FUSED_DQ: tl.constexpr):
+                  stride_qs, stride_ds, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_M: tl.constexpr, UPCAST: tl.constexpr,
+                  TMA: tl.constexpr, DP_FIRST: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     q = _load_rows(q_src, b, col, start_m, seq, stride_qs, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_M, TMA)
     do = _load_rows(do_src, b, col, start_m, seq, stride_ds, BLOCK_M, BLOCK_D, HEAD_DIM, MASK_M, TMA)
@@ -244,80 +232,26 @@ def _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, sta
     dv = _mma(p_t.to(k.dtype), do, dv, UPCAST)
     if not DP_FIRST:
         dp_t = _mma(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), UPCAST)
-    if FUSED_DQ:
-        # KV rows past the sequence end: P = 0 there, as the dQ kernel's last KV block has it (dK
-        # and dV skip those rows at the store, so only dQ sees them; on other rows a no-op)
-        p_t = tl.where(row_ok_n[:, None], p_t, 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
     ds_t = ds_t.to(k.dtype)
     dk = _mma(ds_t, q, dk, UPCAST)
-    if FUSED_DQ:
-        _dq_turn(tl.trans(ds_t), k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_scale, stride_gs,
-                 BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST, FUSED_DQ)
     return dk, dv
-
-
-@triton.jit
-def _dq_turn(ds, k, dq_acc, dq_out, turns, kv_block, last_kv, start_m, seq, sm_scale, stride_gs,
-             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-             FUSED_DQ: tl.constexpr):
-    """Add this KV block's ``dS @ K`` to the fp32 dQ rows of query block ``start_m`` when its turn
-    comes (KV blocks ascending), and hand the turn on; the last KV block scales and rounds once and
-    writes dQ itself. ``dq_acc`` is this head's zero-started ``(query rows, BLOCK_D)`` fp32 buffer.
-
-    ``FUSED_DQ == 1`` issues the product onto the loaded rows (the dQ kernel's chain, its bits);
-    ``FUSED_DQ == 2`` computes the block's product from zero before the wait and adds it after (a
-    per-KV-block partial folded in ascending order: other bits, the product off the turn's path)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    if FUSED_DQ == 2:
-        part = _mma(ds, k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), UPCAST)
-    turn = turns + start_m // BLOCK_M
-    # the rows' address depends on the value the wait returns (equal to kv_block), so the buffer
-    # is read after the turn arrives whatever the compiler reorders
-    rows = start_m + offs_m + (wait_turn(turn, kv_block) - kv_block)
-    acc_ptrs = dq_acc + rows.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :]
-    if FUSED_DQ == 2:
-        acc = fold_add(tl.load(acc_ptrs, cache_modifier=".cg"), part)
-    else:
-        acc = _mma(ds, k, tl.load(acc_ptrs, cache_modifier=".cg"), UPCAST)
-    tl.store(acc_ptrs, acc, mask=(kv_block != last_kv) & (offs_m >= 0)[:, None])
-    out_ok = _in_head((start_m + offs_m) < seq, BLOCK_D, HEAD_DIM) & (kv_block == last_kv)
-    tl.store(_rows(dq_out, start_m, offs_m, stride_gs, BLOCK_D), (acc * sm_scale).to(dq_out.dtype.element_ty),
-             mask=out_ok)
-    pass_turn(turn, kv_block + 1)
 
 
 @fast_launch
 @triton.jit
-def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, dQ, DQAcc, Turns, seq, heads, kv_blocks,
-                               heads_total, qk_scale, sm_scale,
+def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, seq, heads, qk_scale, sm_scale,
                                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                                stride_vb, stride_vs, stride_vh, stride_db, stride_ds, stride_dh,
                                stride_gb, stride_gs, stride_gh,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-                               DP_FIRST: tl.constexpr, FUSED_DQ: tl.constexpr):
+                               DP_FIRST: tl.constexpr):
     """One program per (KV block, sample * heads) owns its dK, dV rows; query blocks ascend.
-    ``dK``, ``dV`` (and ``dQ``) share the strides ``stride_g*``; ``Q``, ``K``, ``V``, ``dOut`` are
-    descriptors when ``TMA``.
-
-    ``FUSED_DQ``: the program also adds its ``dS @ K`` to each query block's dQ, in turn (see
-    :func:`_dq_turn`), on a 1-D grid whose programs take (KV block, sample * heads) from the ticket
-    ``Turns[0]``, the ``heads_total`` (sample * heads) index fastest; ``Turns[1:]`` holds one turn
-    counter per (sample * heads, query block) and ``DQAcc`` the fp32 dQ rows, all zero at launch.
-    Otherwise ``dQ``, ``DQAcc`` and ``Turns`` are unused and the grid is (KV blocks, sample * heads)."""
-    if FUSED_DQ:
-        ticket = take_ticket(Turns)
-        # heads fastest: the programs running at once cover every head's first KV blocks, so a
-        # head's turn chain is as deep as the KV blocks of it in flight (2-3 at 56 heads on 132
-        # SMs), not every KV block of the head (KV block fastest chained them all, each program
-        # starting a query block behind the one before)
-        pid_n = ticket // heads_total
-        pid_bh = ticket % heads_total
-    else:
-        pid_n = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+    ``dK``, ``dV`` share the strides ``stride_g*``; ``Q``, ``K``, ``V``, ``dOut`` are descriptors
+    when ``TMA``."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
     col = h * HEAD_DIM
@@ -332,24 +266,17 @@ def _attention_bwd_dkdv_kernel(Q, K, V, dOut, Lse2, Delta, dK, dV, dQ, DQAcc, Tu
     do_src = _head(dOut, b, h, stride_db, stride_dh, TMA)
     lse_base = Lse2 + pid_bh.to(tl.int64) * seq
     delta_base = Delta + pid_bh.to(tl.int64) * seq
-    q_blocks = tl.cdiv(seq, BLOCK_M)
-    dq_acc = DQAcc + pid_bh.to(tl.int64) * (q_blocks * BLOCK_M * BLOCK_D)
-    dq_out = _head(dQ, b, h, stride_gb, stride_gh, False)
-    turns = Turns + 1 + pid_bh.to(tl.int64) * q_blocks
-    last_kv = kv_blocks - 1
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m_full = (seq // BLOCK_M) * BLOCK_M
     for start_m in range(0, m_full, BLOCK_M):
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, start_m, seq,
-                               stride_qs, stride_ds, qk_scale, dq_acc, dq_out, turns, pid_n, last_kv, row_ok,
-                               sm_scale, stride_gs, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False, UPCAST, TMA,
-                               DP_FIRST, FUSED_DQ)
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, False,
+                               UPCAST, TMA, DP_FIRST)
     if m_full < seq:
         dk, dv = _dkdv_q_block(dk, dv, k, v, q_src, do_src, lse_base, delta_base, b, col, m_full, seq,
-                               stride_qs, stride_ds, qk_scale, dq_acc, dq_out, turns, pid_n, last_kv, row_ok,
-                               sm_scale, stride_gs, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True, UPCAST, TMA,
-                               DP_FIRST, FUSED_DQ)
+                               stride_qs, stride_ds, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, True,
+                               UPCAST, TMA, DP_FIRST)
     g_off = b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
     tl.store(_rows(dK + g_off, start_n, offs_n, stride_gs, BLOCK_D),
              (dk * sm_scale).to(dK.dtype.element_ty), mask=_in_head(row_ok, BLOCK_D, HEAD_DIM))
@@ -429,19 +356,18 @@ class _Tiles(NamedTuple):
     num_stages: int
     tma: bool
     dp_first: bool
-    fused_dq: int
     dq_fold: bool
     one_pass: int
 
 
 def _tiles(cfg: LaunchConfig) -> _Tiles:
-    """A config without ``BLOCK_N`` (the delta kernel), ``TMA`` (pointer-only configs),
-    ``DP_FIRST`` (backward instruction order) or ``FUSED_DQ`` (dK/dV kernel adds dQ in turn) reads
-    them as 0."""
+    """A config without ``BLOCK_N`` (the delta kernel), ``TMA`` (pointer-only configs), ``DP_FIRST``
+    (backward instruction order), ``DQ_FOLD`` (dQ folded per KV block) or ``ONE_PASS`` (the one-pass
+    backward) reads them as 0."""
     blocks = dict(cfg.blocks)
     return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
-                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), blocks.get("FUSED_DQ", 0),
-                  bool(blocks.get("DQ_FOLD", 0)), blocks.get("ONE_PASS", 0))
+                  bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), bool(blocks.get("DQ_FOLD", 0)),
+                  blocks.get("ONE_PASS", 0))
 
 
 class _Frozen(NamedTuple):
@@ -541,26 +467,12 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     common = (scale * LOG2E, scale, *_sbh(q), *_sbh(k), *_sbh(v), *_sbh(dout), *_sbh(dq))
     t = dkdv_t
     tma = t.tma and eligible
-    kv_blocks = cdiv(seq, t.block_n)
-    if t.fused_dq:
-        # the ticket, one turn counter per (sample * head, query block), the fp32 dQ rows: all zero
-        q_blocks = cdiv(seq, t.block_m)
-        turns = torch.zeros(1 + batch * heads * q_blocks, dtype=torch.int32, device=q.device)
-        dq_acc = torch.zeros((batch * heads, q_blocks * t.block_m, block_d(dim)), dtype=torch.float32,
-                             device=q.device)
-        grid = (kv_blocks * batch * heads,)
-    else:
-        turns = dq_acc = lse2
-        grid = (kv_blocks, batch * heads)
-    _attention_bwd_dkdv_kernel[grid](
+    _attention_bwd_dkdv_kernel[(cdiv(seq, t.block_n), batch * heads)](
         _operand(q, t.block_m, tma), _operand(k, t.block_n, tma), _operand(v, t.block_n, tma),
-        _operand(dout, t.block_m, tma), lse2, delta, dk, dv, dq, dq_acc, turns, seq, heads, kv_blocks,
-        batch * heads, *common,
+        _operand(dout, t.block_m, tma), lse2, delta, dk, dv, seq, heads, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d(dim), HEAD_DIM=dim, UPCAST=upcast, TMA=tma,
-        DP_FIRST=t.dp_first, FUSED_DQ=t.fused_dq, num_warps=t.num_warps, num_stages=t.num_stages,
+        DP_FIRST=t.dp_first, num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    if t.fused_dq:
-        return dq, dk, dv
     t = dq_t
     tma = t.tma and eligible
     _attention_bwd_dq_kernel[(cdiv(seq, t.block_m), batch * heads)](
