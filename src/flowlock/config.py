@@ -160,8 +160,8 @@ _ONE_PASS = ("; ONE_PASS=2: the one-pass Gluon backward (TMA-eligible bf16 / fp1
              "(0.84-1.00 at S = 925..32768, attention_one_pass_h100_8f93e79.json; G = 4 / 8 are faster below "
              "S = 16384 but 1.1-1.4x once G x S x 128 x 4 bytes of dQ rows outgrow the 50 MB L2)")
 _DQ_FOLD = ("; DQ_FOLD=1 on 128-row KV blocks: the one-pass kernel's dQ sum for the operands it does not serve "
-            "(1.08-1.12x the chained dQ's time; two stages, as four 128 x 128 K / V tiles beside the Q / dO "
-            "rows exceed shared memory)")
+            "(the whole backward 1.08-1.19x the chained separate kernels' time on H100s; two stages, as four "
+            "128 x 128 K / V tiles beside the Q / dO rows exceed shared memory)")
 _ATTN_NEW = "by design, untimed: {} (fits shared memory and registers on paper; compile and sweep on an H200)"
 for _dt in ("bf16", "fp16", "fp32"):
     for _d in (16, 32, 64, 128, 256):
