@@ -21,10 +21,11 @@ seven: their dQ kernel computes ``S`` and ``dP`` again). Partitions of a program
 
 Where a warpgroup stores its half of the term (``LATE_TERM``): 1 (in use) under the next query block's
 S^T product, 0 right after the term's product. Measured on an H100 (c12df11, ad403c3, 8f93e79): at
-1, 0.84-0.96 of the frozen separate kernels' time at S = 925-32768 with the best ticket grouping
+1, 0.84-0.96 of the separate kernels' time (chained dQ) at S = 925-32768 with the best ticket grouping
 (which follows the L2 footprint of the dQ rows, G x S x 128 x 4 bytes); 0 is 1-5% slower; FA3's
 order (the term issued before dK and stored under it) ran at 0.93-1.01 and was removed. The next
-query block's row statistics are loaded a block ahead.
+query block's row statistics are loaded a block ahead. The frozen sm90 configs run this kernel at
+D = 128 with G = 2 (``flowlock.config``; 0.94-0.99 of the replaced separate kernels at 1c058ca).
 
 ``diag`` (0 in use) switches parts off to see where the time goes, with wrong bits by design: 1 no
 term store and no fold traffic, 3 the fold without turns, 4 the term stored but never sent to the TMA
