@@ -40,6 +40,7 @@ def main() -> None:
                       "turn_release_after_completion": bool(re.search(
                           r"cp\.async\.bulk\.wait_group 0;[^\n]*fence\.acq_rel\.gpu;[^\n]*st\.relaxed\.gpu", ptx)),
                       "wgmma_serialized": "wgmma.mma_async instructions are serialized" in info,
+                      "wgmma_wait_injected": "warpgroup.wait is injected" in info,
                       "registers": sorted(set(map(int, re.findall(r"Used (\d+) registers", info))))}))
 
 

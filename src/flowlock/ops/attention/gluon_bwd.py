@@ -12,7 +12,8 @@ seven: their dQ kernel computes ``S`` and ``dP`` again). Partitions of a program
 * two compute warpgroups, each owning 64 of the KV rows (their dK, dV and dS). Both leave their dS in
   shared memory; each then computes half the columns of the block's dQ term as one chain over all 128
   KV rows from zero (warpgroup 0's rows first) and leaves it (fp32) in a shared slot;
-* a loader warp: K and V once, then Q and dO blocks into a ring of stages both warpgroups release;
+* a loader warp: K and V once, then Q and dO blocks into a ring of stages both warpgroups release, with
+  the query block's row statistics (``lse2``, ``delta``) beside them in shared memory;
 * two fold warps, one a term slot (even and odd query blocks, so their waits for completed writes
   overlap): KV block 0 stores its terms as the fp32 dQ rows; a later KV block's term for query block
   ``m`` is added (TMA reduction) only when that block's turn counter says every earlier KV block's
@@ -23,9 +24,12 @@ Where a warpgroup stores its half of the term (``LATE_TERM``): 1 (in use) under 
 S^T product, 0 right after the term's product. Measured on an H100 (c12df11, ad403c3, 8f93e79): at
 1, 0.84-0.96 of the separate kernels' time (chained dQ) at S = 925-32768 with the best ticket grouping
 (which follows the L2 footprint of the dQ rows, G x S x 128 x 4 bytes); 0 is 1-5% slower; FA3's
-order (the term issued before dK and stored under it) ran at 0.93-1.01 and was removed. The next
-query block's row statistics are loaded a block ahead. The frozen sm90 configs run this kernel at
-D = 128 with G = 2 (``flowlock.config``; 0.94-0.99 of the replaced separate kernels at 1c058ca).
+order (the term issued before dK and stored under it) ran at 0.93-1.01 and was removed. The row
+statistics come staged by the loader, read from shared memory straight into the S^T tile's columns:
+when the compute warpgroups loaded them themselves (a block ahead) and moved them into that layout
+through shared memory, with warpgroup barriers around each move, the kernel took 1.11-1.20x this
+time at S = 925-32768 (H100, one process; the old kernel from 2b679aa). The frozen sm90 configs run
+this kernel at D = 128 with G = 2 (``flowlock.config``).
 
 ``diag`` (0 in use) switches parts off to see where the time goes, with wrong bits by design: 1 no
 term store and no fold traffic, 3 the fold without turns, 4 the term stored but never sent to the TMA
@@ -124,15 +128,27 @@ def _pass_turn(turn, value, DIAG: gl.constexpr):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
-            b, col, start_n, n_q, BLOCK_M: gl.constexpr, RING: gl.constexpr):
+def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, stats_bufs, kv_ready, ready, empty,
+            Lse2, Delta, pid_bh, seq, b, col, start_n, n_q, BLOCK_M: gl.constexpr, RING: gl.constexpr):
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, start_n, col], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, start_n, col], kv_ready, v_smem)
+    offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    lse_base = Lse2 + pid_bh.to(gl.int64) * seq
+    delta_base = Delta + pid_bh.to(gl.int64) * seq
     for m in range(n_q):
         s = m % RING
+        # the query block's row statistics, loaded before the wait so the wait hides their latency; +inf
+        # makes P exactly 0 on query rows past the sequence end
+        rows = m * BLOCK_M + offs
+        lse = gl.load(lse_base + rows, mask=rows < seq, other=float("inf"))
+        delta = gl.load(delta_base + rows, mask=rows < seq, other=0.0)
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes
         mbarrier.wait(empty.index(s), ((m // RING) & 1) ^ 1)
+        stats_bufs.index(2 * s).store(lse)
+        stats_bufs.index(2 * s + 1).store(delta)
+        # every lane's stores before the arrive below (one lane's) releases them with the stage
+        gl.thread_barrier()
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, col], ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [b, m * BLOCK_M, col], ready.index(s), do_bufs.index(s))
@@ -168,22 +184,22 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
 
 
 @gluon.jit
-def _leave_term(term_bufs, term_free, term_full, term, fold_start, m, WG: gl.constexpr, HALF_D: gl.constexpr,
+def _leave_term(term_bufs, term_free, term_full, term, m, WG: gl.constexpr, HALF_D: gl.constexpr,
                 DIAG: gl.constexpr):
-    """Leave this warpgroup's half of query block ``m``'s term (fp32, from zero) in term slot ``m % 2`` for
-    its fold warp, once the fold warp has read the slot's previous term (a fresh barrier: parity 1
-    passes). It stores ``fold_start + term``: KV block 0's is the fold's first addition."""
+    """Leave this warpgroup's half of query block ``m``'s term (fp32, ``fold_start + `` the product from
+    zero) in term slot ``m % 2`` for its fold warp, once the fold warp has read the slot's previous term
+    (a fresh barrier: parity 1 passes)."""
     slot = m % 2
     mbarrier.wait(term_free.index(slot), ((m // 2) & 1) ^ 1)
     if DIAG != 1:
-        term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(_fold_add(fold_start, term))
+        term_bufs.index(slot).slice(WG * HALF_D, HALF_D, dim=1).store(term)
         fence_async_shared()
     mbarrier.arrive(term_full.index(slot))
 
 
 @gluon.jit
-def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready, term_full,
-             term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
+def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, stats_bufs, kv_ready, ready, empty, ds_ready,
+             term_full, term_free, dK, dV, b, h, start_n, seq, n_q, kv_block,
              qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
              WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
              HALF_N: gl.constexpr, RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr,
@@ -210,9 +226,6 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
     kv_rows = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
     kv_ok = gl.expand_dims(kv_rows < seq, 1)
     cols_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    q_offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    lse_base = Lse2 + pid_bh.to(gl.int64) * seq
-    delta_base = Delta + pid_bh.to(gl.int64) * seq
     # KV block 0 starts the fold from zero (0 + term turns a -0 term into +0); adding -0 changes nothing
     fold_start = gl.where(kv_block == 0, 0.0, -0.0)
     zero_s = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -221,27 +234,20 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
     dv = gl.zeros([HALF_N, D], gl.float32, layout=kv_layout)
     # the last query block's term (LATE == 1 stores it while the next block's S^T product runs)
     prev = zero_dq
-    # the row statistics of query block m + 1 are loaded during block m: one value a thread, spread to
-    # the columns of the S^T tile when used (a per-column load would hold a 64-bit address for each of a
-    # thread's columns); +inf makes P exactly 0 on query rows past the sequence end
-    lse_next = gl.load(lse_base + q_offs, mask=q_offs < seq, other=float("inf"))
-    delta_next = gl.load(delta_base + q_offs, mask=q_offs < seq, other=0.0)
     for m in range(n_q):
         s = m % RING
         slot = m % 2
         phase = (m // 2) & 1
-        lse = gl.convert_layout(lse_next, cols_layout)
-        delta = gl.convert_layout(delta_next, cols_layout)
-        q_next = (m + 1) * BLOCK_M + q_offs
-        lse_next = gl.load(lse_base + q_next, mask=q_next < seq, other=float("inf"))
-        delta_next = gl.load(delta_base + q_next, mask=q_next < seq, other=0.0)
         mbarrier.wait(ready.index(s), (m // RING) & 1)
+        # the row statistics the loader staged with Q and dO, read straight into the S^T tile's columns
+        lse = stats_bufs.index(2 * s).load(cols_layout)
+        delta = stats_bufs.index(2 * s + 1).load(cols_layout)
         q = q_bufs.index(s).reshape([BLOCK_M, D])
         do = do_bufs.index(s).reshape([BLOCK_M, D])
         st = warpgroup_mma(k_wg, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if LATE == 1:
             if m > 0:
-                _leave_term(term_bufs, term_free, term_full, prev, fold_start, m - 1, WG, HALF_D, DIAG)
+                _leave_term(term_bufs, term_free, term_full, prev, m - 1, WG, HALF_D, DIAG)
         dpt = warpgroup_mma(v_wg, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st,))
         # KV rows past the sequence end: P = 0 (their dK / dV rows are not stored; dQ must not see them)
@@ -262,11 +268,14 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
         term = warpgroup_mma(ds_bufs.index(2 * slot).permute((1, 0)), k_cols0, zero_dq, use_acc=False,
                              is_async=True)
         term = warpgroup_mma(ds_bufs.index(2 * slot + 1).permute((1, 0)), k_cols1, term, is_async=True)
-        prev = warpgroup_mma_wait(0, deps=(term,))
+        # KV block 0's addition is the fold's first. Made here, so the registers the term's store reads
+        # (under the next S^T product) are the addition's: when the store read the product's own
+        # registers, ptxas injected a wait for the products in flight before it (C7517), the S^T included.
+        prev = _fold_add(fold_start, warpgroup_mma_wait(0, deps=(term,)))
         if LATE == 0:
-            _leave_term(term_bufs, term_free, term_full, prev, fold_start, m, WG, HALF_D, DIAG)
+            _leave_term(term_bufs, term_free, term_full, prev, m, WG, HALF_D, DIAG)
     if LATE == 1:
-        _leave_term(term_bufs, term_free, term_full, prev, fold_start, n_q - 1, WG, HALF_D, DIAG)
+        _leave_term(term_bufs, term_free, term_full, prev, n_q - 1, WG, HALF_D, DIAG)
 
     rows = start_n + WG * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
@@ -278,13 +287,13 @@ def _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, read
 
 
 @gluon.jit
-def _compute_second(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
-                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
+def _compute_second(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, stats_bufs, kv_ready, ready, empty,
+                    ds_ready, term_full, term_free, dK, dV, b, h, start_n, seq, n_q, kv_block,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, HALF_N: gl.constexpr,
                     RING: gl.constexpr, WARPS: gl.constexpr, DIAG: gl.constexpr, LATE: gl.constexpr):
-    _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready, term_full,
-             term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, kv_block,
+    _compute(q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, stats_bufs, kv_ready, ready, empty, ds_ready,
+             term_full, term_free, dK, dV, b, h, start_n, seq, n_q, kv_block,
              qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 1, BLOCK_M, BLOCK_N, D, HALF_N, RING, WARPS, DIAG,
              LATE)
 
@@ -323,6 +332,9 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)
     term_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D], acc_desc.layout)
+    # per ring stage: the query block's lse2 (2 * stage), then its delta
+    stats_bufs = gl.allocate_shared_memory(gl.float32, [2 * RING, BLOCK_M],
+                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
@@ -341,16 +353,16 @@ def _attention_bwd_one_pass_kernel(q_desc, k_desc, v_desc, do_desc, acc_desc, Ls
     head_rows = pid_bh * (n_q * BLOCK_M)
     # a fold warp for each term slot
     gl.warp_specialize([
-        (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty, ds_ready,
-                    term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q, pid_n,
+        (_compute, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, stats_bufs, kv_ready, ready, empty,
+                    ds_ready, term_full, term_free, dK, dV, b, h, start_n, seq, n_q, pid_n,
                     qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, 0, BLOCK_M, BLOCK_N, D, HALF_N, RING,
                     num_warps, DIAG, LATE)),
-        (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, kv_ready, ready, empty,
-                           ds_ready, term_full, term_free, Lse2, Delta, dK, dV, b, h, pid_bh, start_n, seq, n_q,
-                           pid_n, qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D, HALF_N,
-                           RING, num_warps, DIAG, LATE)),
-        (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_ready, ready, empty,
-                   b, h * D, start_n, n_q, BLOCK_M, RING)),
+        (_compute_second, (q_bufs, do_bufs, k_smem, v_smem, ds_bufs, term_bufs, stats_bufs, kv_ready, ready,
+                           empty, ds_ready, term_full, term_free, dK, dV, b, h, start_n, seq,
+                           n_q, pid_n, qk_scale, sm_scale, stride_gb, stride_gs, stride_gh, BLOCK_M, BLOCK_N, D,
+                           HALF_N, RING, num_warps, DIAG, LATE)),
+        (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, stats_bufs, kv_ready, ready,
+                   empty, Lse2, Delta, pid_bh, seq, b, h * D, start_n, n_q, BLOCK_M, RING)),
         (_folder, (acc_desc, term_bufs, term_full, term_free, head_turns, head_rows, pid_n, n_q, BLOCK_M, CHUNK,
                    CHUNKS, DIAG, 0)),
         (_folder, (acc_desc, term_bufs, term_full, term_free, head_turns, head_rows, pid_n, n_q, BLOCK_M, CHUNK,
