@@ -157,8 +157,10 @@ _DP_FIRST = ("; DP_FIRST=1: backward 3% faster at S = 4096, 16384 and 32768 in t
 # the separate kernels elsewhere compute its dQ sum (per-128-row KV-block terms in ascending order)
 _ONE_PASS = ("; ONE_PASS=2: the one-pass Gluon backward (TMA-eligible bf16 / fp16 D = 128), tickets in groups "
              "of 2 heads, the one grouping under the separate kernels' time at every S measured on an H100 "
-             "(0.84-1.00 at S = 925..32768, attention_one_pass_h100_8f93e79.json; G = 4 / 8 are faster below "
-             "S = 16384 but 1.1-1.4x once G x S x 128 x 4 bytes of dQ rows outgrow the 50 MB L2)")
+             "(0.84-1.00 at S = 925..32768, attention_one_pass_h100_8f93e79.json; G = 4 / 8 were faster below "
+             "S = 16384 but 1.1-1.4x at long S; since the loader stages the row statistics (cc573f8) G = 4 ties "
+             "G = 2 at S = 16384 / 32768 and is 2-4% faster below, one H100 run: "
+             "attention_one_pass_staged_h100_cc573f8.log)")
 _DQ_FOLD = ("; DQ_FOLD=1 on 128-row KV blocks: the one-pass kernel's dQ sum for the operands it does not serve "
             "(the whole backward 1.08-1.19x the chained separate kernels' time on H100s; two stages, as four "
             "128 x 128 K / V tiles beside the Q / dO rows exceed shared memory)")
