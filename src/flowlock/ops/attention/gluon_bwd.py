@@ -147,7 +147,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, st
         mbarrier.wait(empty.index(s), ((m // RING) & 1) ^ 1)
         stats_bufs.index(2 * s).store(lse)
         stats_bufs.index(2 * s + 1).store(delta)
-        # every lane's stores before the arrive below (one lane's) releases them with the stage
+        # every lane's stores land before the arrive below (one lane's), which releases them with the stage
         gl.thread_barrier()
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, m * BLOCK_M, col], ready.index(s), q_bufs.index(s))
@@ -186,9 +186,9 @@ def _folder(acc_desc, term_bufs, term_full, term_free, turns, row0, kv_block, n_
 @gluon.jit
 def _leave_term(term_bufs, term_free, term_full, term, m, WG: gl.constexpr, HALF_D: gl.constexpr,
                 DIAG: gl.constexpr):
-    """Leave this warpgroup's half of query block ``m``'s term (fp32, ``fold_start + `` the product from
-    zero) in term slot ``m % 2`` for its fold warp, once the fold warp has read the slot's previous term
-    (a fresh barrier: parity 1 passes)."""
+    """Leave this warpgroup's half of query block ``m``'s term (fp32: the product from zero plus
+    ``fold_start``, KV block 0's first fold addition) in term slot ``m % 2`` for its fold warp, once the
+    fold warp has read the slot's previous term (a fresh barrier: parity 1 passes)."""
     slot = m % 2
     mbarrier.wait(term_free.index(slot), ((m // 2) & 1) ^ 1)
     if DIAG != 1:
