@@ -515,7 +515,43 @@ def _one_pass_row(seq: int, heads: int, dim: int, iters: int, one_pass_dkdv: dic
             "separate_chained_over_cudnn": ms["separate_chained"] / ms["sdpa_cudnn"]}
 
 
-SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "one_pass")
+# The Gluon forward's candidates: (KV ring stages, ping-pong of the two halves' products).
+GLUON_FWD_CANDIDATES = ((3, False), (2, False), (3, True), (2, True))
+
+
+def gluon_forward(seqs, heads: int, dim: int, iters: int) -> list[dict]:
+    """The Gluon forward (:mod:`flowlock.ops.attention.gluon_fwd`) with each of
+    :data:`GLUON_FWD_CANDIDATES` against the frozen forward (out and lse2 bits compared, B = 1 and 2) and
+    cuDNN's forward; queued medians at B = 1, alternating order."""
+    from flowlock.ops.attention import gluon_fwd
+    from flowlock.ops.attention.triton import attention_fwd
+
+    rows = []
+    for seq in seqs:
+        scale = dim ** -0.5
+        row = {"seq": seq}
+        for batch in (2, 1):
+            q, k, v, _ = inputs(batch, seq, heads, dim, seed=seq + batch, grad=False)
+            fns = {"frozen": functools.partial(attention_fwd, q, k, v, scale),
+                   **{f"gluon_r{r}{'_pp' if pp else ''}": functools.partial(gluon_fwd.attention_fwd_ws, q, k, v, scale,
+                                                                             r, pp)
+                      for r, pp in GLUON_FWD_CANDIDATES}}
+            want = fns["frozen"]()
+            row.update({f"{n}_bits_equal_frozen_b{batch}": bitwise(f(), want) for n, f in fns.items() if n != "frozen"})
+        fns["sdpa_cudnn"] = functools.partial(sdpa, SDPBackend.CUDNN_ATTENTION, q, k, v)
+        ms = alternating_medians(fns, iters, 2, queued=True)
+        work = 4.0 * seq * seq * dim * heads
+        row.update({f"{n}_ms": t for n, t in ms.items()})
+        row.update({f"{n}_tflops": work / t / 1e9 for n, t in ms.items()})
+        row.update({f"{n}_over_frozen": t / ms["frozen"] for n, t in ms.items() if n != "frozen"})
+        row.update({f"{n}_over_cudnn": t / ms["sdpa_cudnn"] for n, t in ms.items() if n != "sdpa_cudnn"})
+        rows.append(row)
+        print("gluon_fwd", json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTIONS = ("accuracy", "invariance", "host", "sweep", "timings", "one_pass", "gluon_fwd")
 
 
 def main() -> None:
@@ -536,7 +572,8 @@ def main() -> None:
     parser.add_argument("--sweep-kernels", default=",".join(SWEEP_CANDIDATES),
                         help=f"comma-separated subset of {tuple(SWEEP_CANDIDATES)} to sweep")
     parser.add_argument("--sweep-jobs", type=int, default=6, help="processes compiling sweep candidates (0: none)")
-    parser.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in ("sweep", "one_pass")),
+    parser.add_argument("--sections", default=",".join(s for s in SECTIONS
+                                                       if s not in ("sweep", "one_pass", "gluon_fwd")),
                         help=f"comma-separated subset of {SECTIONS}; 'sweep' is added when --sweep is given")
     parser.add_argument("--compile-check", action="store_true",
                         help="only compile the sweep candidates for sm90 offline (no GPU) and report their resources")
@@ -603,6 +640,7 @@ def main() -> None:
         "timings": lambda: timings(attention, seqs, args.heads, args.dim, args.iters, args.warmup),
         "one_pass": lambda: one_pass(seqs, args.heads, args.dim, args.iters,
                                      [int(g) for g in args.one_pass_head_groups.split(",")]),
+        "gluon_fwd": lambda: gluon_forward(seqs, args.heads, args.dim, args.iters),
     }
     for name in SECTIONS:
         if name not in wanted:
