@@ -242,13 +242,14 @@ def sweep_order(kernels: Sequence[str] = tuple(SWEEP_CANDIDATES)) -> list[tuple[
 
 
 def frozen_config(op: str, dim: int, tma: int):
-    """The frozen config of ``op`` on this GPU with its ``TMA`` key set to ``tma`` and no one-pass kernel
-    (``ONE_PASS=0``: a sweep times the separate Triton kernels)."""
+    """The frozen config of ``op`` on this GPU with its ``TMA`` key set to ``tma`` and no Gluon kernel
+    (``ONE_PASS=0``, ``GLUON=0``: a sweep times the Triton kernels)."""
     from flowlock.config import launch_config
     from flowlock.keys import device_arch
 
     cfg = launch_config(op, torch.bfloat16, device_arch(torch.cuda.current_device()), (dim,))
-    return cfg.with_blocks(TMA=tma, **({"ONE_PASS": 0} if "ONE_PASS" in dict(cfg.blocks) else {}))
+    off = {key: 0 for key in ("ONE_PASS", "GLUON") if key in dict(cfg.blocks)}
+    return cfg.with_blocks(TMA=tma, **off)
 
 
 class SweepCase:
@@ -515,35 +516,40 @@ def _one_pass_row(seq: int, heads: int, dim: int, iters: int, one_pass_dkdv: dic
             "separate_chained_over_cudnn": ms["separate_chained"] / ms["sdpa_cudnn"]}
 
 
-# The Gluon forward's candidates: (KV ring stages, ping-pong of the two halves' products).
+# The Gluon forward's candidates: (KV ring stages, ping-pong of the two halves' products); the frozen one is
+# gluon_fwd.RING, gluon_fwd.PINGPONG.
 GLUON_FWD_CANDIDATES = ((3, False), (2, False), (3, True), (2, True))
 
 
 def gluon_forward(seqs, heads: int, dim: int, iters: int) -> list[dict]:
     """The Gluon forward (:mod:`flowlock.ops.attention.gluon_fwd`) with each of
-    :data:`GLUON_FWD_CANDIDATES` against the frozen forward (out and lse2 bits compared, B = 1 and 2) and
-    cuDNN's forward; queued medians at B = 1, alternating order."""
+    :data:`GLUON_FWD_CANDIDATES` against the Triton forward of the frozen tiles (``GLUON=0``; out and
+    lse2 bits compared, B = 1 and 2) and cuDNN's forward; queued medians at B = 1, alternating order."""
+    from flowlock.config import launch_config
+    from flowlock.keys import device_arch
     from flowlock.ops.attention import gluon_fwd
     from flowlock.ops.attention.triton import attention_fwd
 
+    triton_cfg = launch_config("attention_fwd", torch.bfloat16, device_arch(torch.cuda.current_device()),
+                               (dim,)).with_blocks(GLUON=0)
     rows = []
     for seq in seqs:
         scale = dim ** -0.5
         row = {"seq": seq}
         for batch in (2, 1):
             q, k, v, _ = inputs(batch, seq, heads, dim, seed=seq + batch, grad=False)
-            fns = {"frozen": functools.partial(attention_fwd, q, k, v, scale),
+            fns = {"triton": functools.partial(attention_fwd, q, k, v, scale, triton_cfg),
                    **{f"gluon_r{r}{'_pp' if pp else ''}": functools.partial(gluon_fwd.attention_fwd_ws, q, k, v, scale,
                                                                              r, pp)
                       for r, pp in GLUON_FWD_CANDIDATES}}
-            want = fns["frozen"]()
-            row.update({f"{n}_bits_equal_frozen_b{batch}": bitwise(f(), want) for n, f in fns.items() if n != "frozen"})
+            want = fns["triton"]()
+            row.update({f"{n}_bits_equal_triton_b{batch}": bitwise(f(), want) for n, f in fns.items() if n != "triton"})
         fns["sdpa_cudnn"] = functools.partial(sdpa, SDPBackend.CUDNN_ATTENTION, q, k, v)
         ms = alternating_medians(fns, iters, 2, queued=True)
         work = 4.0 * seq * seq * dim * heads
         row.update({f"{n}_ms": t for n, t in ms.items()})
         row.update({f"{n}_tflops": work / t / 1e9 for n, t in ms.items()})
-        row.update({f"{n}_over_frozen": t / ms["frozen"] for n, t in ms.items() if n != "frozen"})
+        row.update({f"{n}_over_triton": t / ms["triton"] for n, t in ms.items() if n != "triton"})
         row.update({f"{n}_over_cudnn": t / ms["sdpa_cudnn"] for n, t in ms.items() if n != "sdpa_cudnn"})
         rows.append(row)
         print("gluon_fwd", json.dumps(row), flush=True)

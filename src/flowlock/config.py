@@ -161,6 +161,9 @@ _ONE_PASS = ("; ONE_PASS=2: the one-pass Gluon backward (TMA-eligible bf16 / fp1
              "S = 16384 but 1.1-1.4x at long S; since the loader stages the row statistics (cc573f8) G = 4 ties "
              "G = 2 at S = 16384 / 32768 and is 2-4% faster below, one H100 run: "
              "attention_one_pass_staged_h100_cc573f8.log)")
+_GLUON_FWD = ("; GLUON=1: the Gluon forward (TMA-eligible bf16 / fp16 D = 128; same bits as these tiles), "
+              "0.84-0.92 of this config's Triton forward at S = 925..32768 and 0.97 / 1.00 of cuDNN's time at "
+              "S = 4253 / 16384 in two H100 runs (attention_gluon_fwd_h100_fee6cf2*.json)")
 _DQ_FOLD = ("; DQ_FOLD=1 on 128-row KV blocks: the one-pass kernel's dQ sum for the operands it does not serve "
             "(the whole backward 1.08-1.19x the chained separate kernels' time on H100s; two stages, as four "
             "128 x 128 K / V tiles beside the Q / dO rows exceed shared memory)")
@@ -178,14 +181,16 @@ for _dt in ("bf16", "fp16"):
             _note = _ATTN_NEW.format("fp16 takes the bf16 tiles")
         else:
             _note = _ATTN_SM90 if _d > 16 else _ATTN_NEW.format("D=16 takes the D=128 tiles")
-        register("attention_fwd", _dt, "sm90", _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_note), (_d,))
         if _d == 128:
+            _fwd = _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, GLUON=1, note=_note + _GLUON_FWD)
             _dkdv = _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1, ONE_PASS=2,
                          note=_note + _DP_FIRST + _ONE_PASS)
             _dq = _cfg(8, 2, BLOCK_M=128, BLOCK_N=128, TMA=1, DQ_FOLD=1, note=_note + _DQ_FOLD)
         else:
+            _fwd = _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, TMA=1, note=_note)
             _dkdv = _cfg(8, 3, BLOCK_M=64, BLOCK_N=128, TMA=1, DP_FIRST=1, note=_note + _DP_FIRST)
             _dq = _cfg(8, 4, BLOCK_M=128, BLOCK_N=64, TMA=1, note=_note)
+        register("attention_fwd", _dt, "sm90", _fwd, (_d,))
         register("attention_bwd_dkdv", _dt, "sm90", _dkdv, (_d,))
         register("attention_bwd_dq", _dt, "sm90", _dq, (_d,))
     # D = 256 (and padded 136..248): half-size KV tiles keep the fp32 accumulators and staged K/V on chip

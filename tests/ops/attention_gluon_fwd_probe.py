@@ -19,11 +19,11 @@ def probe(pingpong: bool) -> dict:
     sig = dict(zip(("q_desc", "k_desc", "v_desc"), map(mangle_type, gf.descriptors(q, q, q))))
     sig.update(Out="*bf16", Lse2="*fp32", seq="i32", heads="i32", qk_scale="fp32", stride_ob="i32", stride_os="i32",
                stride_oh="i32")
-    consts = dict(HALF=gf.HALF, BLOCK_N=gf.BLOCK_N, D=gf.HEAD_DIM, RING=3, HALF_WARPS=gf.HALF_WARPS,
+    consts = dict(HALF=gf.HALF, BLOCK_N=gf.BLOCK_N, D=gf.HEAD_DIM, RING=gf.RING, HALF_WARPS=gf.HALF_WARPS,
                   HALF_REGS=gf.HALF_REGS, LOADER_WARPS=gf.LOADER_WARPS, LOADER_REGS=gf.LOADER_REGS,
                   PINGPONG=pingpong, num_warps=gf.HALF_WARPS)
     sig.update(dict.fromkeys(consts, "constexpr"))
-    compiled, ptx, info = compile_gluon_sm90(gf._attention_fwd_ws_kernel, sig, consts, gf.HALF_WARPS)
+    compiled, ptx, info = compile_gluon_sm90(gf._attention_fwd_ws_kernel.kernel, sig, consts, gf.HALF_WARPS)
     return {"wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.bf16\.bf16", ptx))),
             "wgmma_wait_groups": sorted(set(map(int, re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)))),
             "shared_bytes": compiled.metadata.shared,

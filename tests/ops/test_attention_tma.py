@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import flowlock
 from flowlock.config import LaunchConfig, launch_config
 from flowlock.ops.attention import api as attention_api
-from flowlock.ops.attention import attention, gluon_bwd
+from flowlock.ops.attention import attention, gluon_bwd, gluon_fwd
 from flowlock.ops.attention import triton as attention_triton
 from flowlock.ops.attention.triton import attention_bwd, attention_fwd, tma_eligible
 from flowlock.testing import assert_bitwise_equal, bitwise_equal
@@ -151,6 +151,21 @@ def test_frozen_configs_pick_pointer_loads_on_the_interpreter_and_tma_on_sm90():
         for d in (32, 64, 128):
             assert launch_config(op, torch.bfloat16, "interp", (d,))["TMA"] == 0
             assert launch_config(op, torch.bfloat16, "sm90", (d,))["TMA"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_frozen_sm90_forward_at_d128_is_the_gluon_kernel_on_its_tiles(dtype):
+    """D = 128 forwards run the Gluon kernel (GLUON=1), whose bits are the Triton forward's on the same
+    128 x 128 tiles, so the config's tiles must be its tiles: the operands it does not serve (padded
+    heads, head-major views) run the Triton forward of those tiles. Other head dims keep the Triton
+    forward."""
+    for d in (16, 32, 64, 128, 256):
+        fwd = launch_config("attention_fwd", dtype, "sm90", (d,))
+        if d != gluon_fwd.HEAD_DIM:
+            assert "GLUON" not in dict(fwd.blocks), f"D={d}"
+            continue
+        assert fwd["GLUON"] == 1 and fwd["TMA"] == 1
+        assert (fwd["BLOCK_M"], fwd["BLOCK_N"]) == (gluon_fwd.BLOCK_M, gluon_fwd.BLOCK_N)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

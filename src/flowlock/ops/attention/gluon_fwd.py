@@ -36,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flowlock.ops._launch import fast_launch
 from flowlock.ops.attention.reference import LOG2E
 
 # Query rows of a program (two halves of 64, one per partition), KV rows of a block, head dim.
@@ -43,6 +44,10 @@ BLOCK_M, BLOCK_N, HEAD_DIM = 128, 128, 128
 HALF = BLOCK_M // 2
 # The second half's partition (one warpgroup) and the producer (one warp): warps and registers.
 HALF_WARPS, HALF_REGS, LOADER_WARPS, LOADER_REGS = 4, 240, 1, 24
+# The frozen schedule (fee6cf2, two H100 runs): three KV stages (two left the producer a block behind,
+# 1.10-1.30x the Triton forward) and ping-pong (0.985-0.999 of cuDNN at S = 32768 against 1.017-1.038
+# without it; within 1% of it at S = 4253 / 16384 and 1.5% behind at 925).
+RING, PINGPONG = 3, True
 
 
 @gluon.jit
@@ -156,6 +161,7 @@ def _half_one(q_bufs, k_bufs, v_bufs, q_ready, ready, empty, Out, Lse2, b, h, pi
           stride_ob, stride_os, stride_oh, 1, HALF, BLOCK_N, D, RING, WARPS, PINGPONG)
 
 
+@fast_launch
 @gluon.jit
 def _attention_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse2, seq, heads, qk_scale, stride_ob, stride_os, stride_oh,
                              HALF: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, RING: gl.constexpr,
@@ -203,14 +209,21 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Tens
     return _descriptor(q, HALF), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)
 
 
-def attention_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ring: int = 3,
-                     pingpong: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, S, heads, D), lse2 (B, heads, S) fp32)`` for bf16 / fp16 ``(B, S, heads, 128)`` operands
-    that the Triton forward reads through descriptors, on ``ring`` KV stages. Trusted inputs."""
+def applies(q: torch.Tensor) -> bool:
+    """Whether the kernel serves these operands (given that q, k, v are all TMA-eligible): D = 128,
+    bf16 / fp16."""
+    return q.shape[3] == HEAD_DIM and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def attention_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ring: int = RING,
+                     pingpong: bool = PINGPONG) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, S, heads, D) contiguous, lse2 (B, heads, S) fp32)`` for bf16 / fp16 ``(B, S, heads, 128)``
+    operands that the Triton forward reads through descriptors, on ``ring`` KV stages, the halves'
+    products in turns when ``pingpong``. Any ``ring`` >= 2 and either ``pingpong`` give the same bits."""
     batch, seq, heads, dim = q.shape
-    if dim != HEAD_DIM or q.dtype not in (torch.bfloat16, torch.float16):
+    if not applies(q):
         raise ValueError(f"the Gluon attention forward serves D = {HEAD_DIM} in bf16 / fp16, got D = {dim}, {q.dtype}")
-    out = torch.empty_like(q)
+    out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
     _attention_fwd_ws_kernel[(triton.cdiv(seq, BLOCK_M), batch * heads)](
         *descriptors(q, k, v), out, lse2, seq, heads, scale * LOG2E, *out.stride()[:3], HALF=HALF, BLOCK_N=BLOCK_N,

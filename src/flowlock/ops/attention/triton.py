@@ -40,6 +40,11 @@ chain of products over all KV rows: the order in which the one-pass kernel, whos
 one KV block, adds their terms. Under the interpreter both orders are the same (its products are
 always summed from zero and then added).
 
+``GLUON=1`` in the forward config runs :mod:`flowlock.ops.attention.gluon_fwd` (Hopper, D = 128,
+bf16 / fp16, q, k and v TMA-eligible) in place of the TMA variant: its 128 x 128 tiles and this
+module's forward bits, each warpgroup's softmax run under its products. The frozen sm90 forward at
+D = 128 sets it with the 128 x 128 tiles; other operands run the Triton forward under the same config.
+
 ``ONE_PASS=G`` (G > 0) in the dK/dV config runs :mod:`flowlock.ops.attention.gluon_bwd` (Hopper,
 D = 128, bf16 / fp16, every operand TMA-eligible), its programs ticketed in groups of G heads: dK and
 dV with this module's dK/dV bits, dQ with the dQ kernel's ``DQ_FOLD=1`` bits on 128-row KV blocks,
@@ -64,7 +69,7 @@ from flowlock.ops._dot import dot_f32, fold_add
 from flowlock.ops._kernel_op import kernel_op
 from flowlock.ops._launch import fast_launch
 from flowlock.ops._triton_utils import cdiv, traced
-from flowlock.ops.attention import gluon_bwd
+from flowlock.ops.attention import gluon_bwd, gluon_fwd
 from flowlock.ops.attention.reference import LOG2E
 
 
@@ -358,16 +363,17 @@ class _Tiles(NamedTuple):
     dp_first: bool
     dq_fold: bool
     one_pass: int
+    gluon: bool
 
 
 def _tiles(cfg: LaunchConfig) -> _Tiles:
     """A config without ``BLOCK_N`` (the delta kernel), ``TMA`` (pointer-only configs), ``DP_FIRST``
-    (backward instruction order), ``DQ_FOLD`` (dQ folded per KV block) or ``ONE_PASS`` (the one-pass
-    backward) reads them as 0."""
+    (backward instruction order), ``DQ_FOLD`` (dQ folded per KV block), ``ONE_PASS`` (the one-pass
+    backward) or ``GLUON`` (the Gluon forward) reads them as 0."""
     blocks = dict(cfg.blocks)
     return _Tiles(blocks["BLOCK_M"], blocks.get("BLOCK_N", 0), cfg.num_warps, cfg.num_stages,
                   bool(blocks.get("TMA", 0)), bool(blocks.get("DP_FIRST", 0)), bool(blocks.get("DQ_FOLD", 0)),
-                  blocks.get("ONE_PASS", 0))
+                  blocks.get("ONE_PASS", 0), bool(blocks.get("GLUON", 0)))
 
 
 class _Frozen(NamedTuple):
@@ -422,11 +428,14 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                   config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on validated inputs: returns ``out`` (B, S, heads, D) in ``q.dtype`` and
     ``lse2`` (B, heads, S) fp32. ``config`` replaces the frozen one (benchmark sweeps, tests); the
-    TMA variant runs when the config says ``TMA=1`` and q, k, v are all :func:`tma_eligible`."""
+    TMA variant runs when the config says ``TMA=1`` and q, k, v are all :func:`tma_eligible`, and the
+    Gluon forward in its place when the config also says ``GLUON=1`` and it serves the operands."""
     batch, seq, heads, dim = q.shape
     arch = arch_of(q)
     t = _frozen(q.dtype, arch, dim).fwd if config is None else _tiles(config)
     tma = t.tma and tma_eligible(q) and tma_eligible(k) and tma_eligible(v)
+    if t.gluon and tma and gluon_fwd.applies(q):
+        return gluon_fwd.attention_fwd_ws(q, k, v, scale)
     out = torch.empty((batch, seq, heads, dim), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((batch, heads, seq), dtype=torch.float32, device=q.device)
     _attention_fwd_kernel[(cdiv(seq, t.block_m), batch * heads)](
