@@ -1,7 +1,8 @@
-"""The Gluon attention forward candidate (flowlock.ops.attention.gluon_fwd) gives the Triton forward's
-bits on a Hopper GPU: ``out`` and ``lse2`` at D = 128 for sequence lengths with a partial last KV
-block and query block (925, 4253, 200, 1), whole blocks (4096), two samples, bf16 and fp16, and again
-on a repeat.
+"""The Gluon attention forward (flowlock.ops.attention.gluon_fwd) gives the Triton forward's bits on a
+Hopper GPU, with every ring depth and with and without ping-pong: ``out`` and ``lse2`` at D = 128 for
+sequence lengths with a partial last KV block and query block (925, 4253, 200, 129, 257, 1), whole
+blocks (4096), two samples, bf16 and fp16, and again on a repeat. The reference is the Triton forward
+of the frozen tiles with ``GLUON=0``: the frozen config itself runs the Gluon kernel.
 
     TRITON_INTERPRET=0 python -m pytest -q -m gpu tests/ops/test_attention_gluon_fwd_gpu.py
 """
@@ -9,6 +10,8 @@ on a repeat.
 import pytest
 import torch
 
+from flowlock.config import launch_config
+from flowlock.keys import arch_of
 from flowlock.ops.attention import gluon_fwd
 from flowlock.ops.attention import triton as at
 from flowlock.testing import bitwise_equal
@@ -28,7 +31,8 @@ def test_gluon_forward_keeps_the_triton_bits(batch, seq, dtype, ring, pingpong):
     q, k, v = (torch.randn(batch, seq, 8, 128, generator=g, device="cuda").to(dtype) for _ in range(3))
     assert all(at.tma_eligible(t) for t in (q, k, v))
     scale = 128 ** -0.5
-    want = at.attention_fwd(q, k, v, scale)
+    triton_cfg = launch_config("attention_fwd", dtype, arch_of(q), (128,)).with_blocks(GLUON=0)
+    want = at.attention_fwd(q, k, v, scale, triton_cfg)
     run = lambda: gluon_fwd.attention_fwd_ws(q, k, v, scale, ring, pingpong)
     got = run()
     for name, a, b in zip(("out", "lse2"), got, want):
