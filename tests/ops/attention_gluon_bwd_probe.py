@@ -11,12 +11,13 @@ from compile_probe import compile_gluon_sm90
 from triton.runtime.jit import mangle_type
 
 from flowlock.ops.attention import gluon_bwd as gb
+from flowlock.ops.attention.gluon_operands import bshd_descriptor
 
 
 def main() -> None:
     q = torch.empty(1, 4253, 56, 128, dtype=torch.bfloat16)
-    descs = (gb._descriptor(q, gb.BLOCK_M), gb._descriptor(q, gb.BLOCK_N), gb._descriptor(q, gb.BLOCK_N),
-             gb._descriptor(q, gb.BLOCK_M))
+    descs = (bshd_descriptor(q, gb.BLOCK_M), bshd_descriptor(q, gb.BLOCK_N), bshd_descriptor(q, gb.BLOCK_N),
+             bshd_descriptor(q, gb.BLOCK_M))
     acc = torch.empty(56 * 67 * gb.BLOCK_M, gb.HEAD_DIM)
     acc_desc = gb.TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [gb.BLOCK_M, gb.CHUNK],
                                    gb.gl.NVMMASharedLayout.get_default_for([gb.BLOCK_M, gb.CHUNK], gb.gl.float32))

@@ -70,6 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flowlock.ops._launch import fast_launch
+from flowlock.ops.attention.gluon_operands import bshd_descriptor
 from flowlock.ops.attention.reference import LOG2E
 
 # Query rows a step, KV rows a program (two compute warpgroups of HALF_N rows each), head dim, Q / dO ring depth;
@@ -390,13 +391,6 @@ def applies(q: torch.Tensor) -> bool:
     return q.shape[3] == HEAD_DIM and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    batch, seq, heads, dim = t.shape
-    dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, dim], dt)
-    return TensorDescriptor(t, [batch, seq, heads * dim], [t.stride(0), t.stride(1), 1], [1, rows, dim], layout)
-
-
 def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                            lse2: torch.Tensor, delta: torch.Tensor, scale: float, head_group: int,
                            diag: int = 0, late: int = LATE_TERM
@@ -419,7 +413,8 @@ def attention_bwd_one_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
     acc_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, CHUNK], gl.float32)
     acc_desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [BLOCK_M, CHUNK], acc_layout)
     _attention_bwd_one_pass_kernel[(kv_blocks * bh,)](
-        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(dout, BLOCK_M),
+        bshd_descriptor(q, BLOCK_M), bshd_descriptor(k, BLOCK_N), bshd_descriptor(v, BLOCK_N),
+        bshd_descriptor(dout, BLOCK_M),
         acc_desc, lse2, delta, dk, dv, turns, seq, heads, bh, kv_blocks, head_group, scale * LOG2E, scale,
         *dq.stride()[:3],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=HEAD_DIM, HALF_N=HALF_N, CHUNK=CHUNK, RING=RING,

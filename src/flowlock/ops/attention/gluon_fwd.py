@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flowlock.ops._launch import fast_launch
+from flowlock.ops.attention.gluon_operands import bshd_descriptor
 from flowlock.ops.attention.reference import LOG2E
 
 # Query rows of a program (two halves of 64, one per partition), KV rows of a block, head dim.
@@ -197,16 +198,9 @@ def _attention_fwd_ws_kernel(q_desc, k_desc, v_desc, Out, Lse2, seq, heads, qk_s
     ], [HALF_WARPS, LOADER_WARPS], [HALF_REGS, LOADER_REGS])
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    batch, seq, heads, dim = t.shape
-    dt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, dim], dt)
-    return TensorDescriptor(t, [batch, seq, heads * dim], [t.stride(0), t.stride(1), 1], [1, rows, dim], layout)
-
-
 def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[TensorDescriptor, ...]:
     """The kernel's q, k, v descriptors (operands ``tma_eligible`` in :mod:`flowlock.ops.attention.triton`)."""
-    return _descriptor(q, HALF), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N)
+    return bshd_descriptor(q, HALF), bshd_descriptor(k, BLOCK_N), bshd_descriptor(v, BLOCK_N)
 
 
 def applies(q: torch.Tensor) -> bool:
