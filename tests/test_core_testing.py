@@ -1,5 +1,7 @@
 """The harnesses themselves: each must catch a planted failure, or its green means nothing."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -40,18 +42,21 @@ def test_invariance_harness_catches_batch_dependent_split():
         assert_batch_invariant(batch_dependent_row_sums, pool)
 
 
-def test_repeat_harness_catches_shuffled_fold_order():
-    values = torch.randn(4096, dtype=torch.float32) * 1e4
-    gen = torch.Generator().manual_seed(0)
+def test_repeat_harness_catches_a_fold_order_that_moves_between_calls():
+    # Planted defect: each call starts its fold one element later. The values are chosen so the
+    # float32 result depends on the order for certain (1e8 + 1 rounds back to 1e8), on any host:
+    # every step is one IEEE scalar add, with no vectorised reduction whose split a CPU could pick.
+    values = torch.tensor([1e8, 1.0, -1e8], dtype=torch.float32)
+    calls = itertools.count()
 
-    def shuffled_sum():
-        order = torch.randperm(values.numel(), generator=gen)
+    def rotating_sum():
+        start = next(calls)
         acc = torch.zeros((), dtype=torch.float32)
-        for chunk in values[order].split(64):
-            acc = acc + chunk.sum()
+        for i in range(values.numel()):
+            acc = acc + values[(start + i) % values.numel()]
         return acc
 
-    assert repeat_failures(shuffled_sum, runs=5)
+    assert repeat_failures(rotating_sum, runs=5)
     assert_repeatable(lambda: values.sum(), runs=5)
 
 
